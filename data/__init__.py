@@ -1,0 +1,1 @@
+"""Prompt sets, the toy scene generator, feature extraction into shards and the streaming DataModule."""

@@ -1,0 +1,150 @@
+"""Deterministic generator of the toy world's captioned scenes.
+
+A scene is drawn from a `numpy.random.Generator`, so `(seed, index)` fixes it: the same seed gives
+the same scenes, captions and pixels on every machine. Captions follow the grammar in
+`models/toy_world.py`; one caption in twenty (by hash) is held out of training, so evaluation can
+use captions the target never saw.
+
+    scenes = sample_scenes(64, seed=0, split="heldout")
+    pixels = render_scene(scenes[0], rng)            # (32, 32, 3) uint8
+
+Shapes are drawn without anti-aliasing on a 32x32 canvas split into a 3x3 grid of named
+positions; each shape's centre is jittered by up to one pixel, and backgrounds vary in stripe
+orientation, gradient direction and phase, none of which the caption fixes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.toy_world import (
+    BACKGROUNDS,
+    COLOUR_NAMES,
+    COLOURS,
+    MAX_SHAPES,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    SceneSpec,
+    ShapeSpec,
+    canonical,
+    caption_of,
+    is_held_out,
+)
+
+IMAGE_SIZE = 32
+SHAPE_RADIUS = {"small": 2.6, "large": 4.4}
+SHAPE_COUNT_PROBABILITIES = (0.4, 0.35, 0.25)  # for 1, 2 and 3 shapes
+SPLITS = ("train", "heldout", "any")
+
+
+def _pale(colour: str, amount: float) -> np.ndarray:
+    """A tint of a named colour mixed with near-white; `amount` is the share of the colour. (3,) float."""
+    return amount * np.asarray(COLOURS[colour], dtype=np.float32) + (1.0 - amount) * 245.0
+
+
+def _draw_background(kind: str, colour: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A (size, size, 3) float background of the given kind and colour."""
+    light, dark = _pale(colour, 0.3), _pale(colour, 0.6)
+    ys, xs = np.mgrid[0:size, 0:size]
+    if kind == "plain":
+        weight = np.zeros((size, size), dtype=np.float32)
+    elif kind == "gradient":
+        axis = xs if rng.integers(2) else ys
+        weight = axis / (size - 1)
+        if rng.integers(2):
+            weight = 1.0 - weight
+    elif kind == "striped":
+        axis = xs if rng.integers(2) else ys
+        weight = ((axis + rng.integers(2)) // 2) % 2
+    elif kind == "checkered":
+        weight = ((ys // 4) + (xs // 4) + rng.integers(2)) % 2
+    else:
+        raise ValueError(f"unknown background {kind!r}; the toy world knows {', '.join(BACKGROUNDS)}")
+    weight = weight.astype(np.float32)[..., None]
+    return (1.0 - weight) * light + weight * dark
+
+
+def shape_mask(shape: str, centre_y: float, centre_x: float, radius: float, size: int = IMAGE_SIZE) -> np.ndarray:
+    """Boolean (size, size) mask of one shape, tested at pixel centres."""
+    ys, xs = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
+    dy, dx = ys - centre_y, xs - centre_x
+    if shape == "circle":
+        return dy**2 + dx**2 <= radius**2
+    if shape == "square":
+        half = 0.85 * radius
+        return (np.abs(dy) <= half) & (np.abs(dx) <= half)
+    if shape == "triangle":  # pointing up: apex at the top, base at the bottom
+        top, bottom = -radius, 0.85 * radius
+        half_width = (dy - top) / (bottom - top) * radius
+        return (dy >= top) & (dy <= bottom) & (np.abs(dx) <= half_width)
+    if shape == "cross":
+        arm = 0.38 * radius
+        return ((np.abs(dy) <= arm) & (np.abs(dx) <= radius)) | ((np.abs(dx) <= arm) & (np.abs(dy) <= radius))
+    raise ValueError(f"unknown shape {shape!r}; the toy world knows {', '.join(SHAPES)}")
+
+
+def cell_centre(position: str, size: int = IMAGE_SIZE) -> tuple[float, float]:
+    """Pixel coordinates (y, x) of the centre of a named position's cell."""
+    row, col = divmod(POSITIONS.index(position), 3)
+    cell = size / 3
+    return (row + 0.5) * cell, (col + 0.5) * cell
+
+
+def render_scene(scene: SceneSpec, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
+    """Draw a scene. The generator picks what the caption leaves open (jitter, stripe direction).
+
+    Returns:
+        (size, size, 3) uint8 RGB pixels.
+    """
+    canvas = _draw_background(scene.background, scene.background_colour, rng, size)
+    for spec in scene.shapes:
+        centre_y, centre_x = cell_centre(spec.position, size)
+        jitter_y, jitter_x = rng.integers(-1, 2, size=2)
+        mask = shape_mask(spec.shape, centre_y + jitter_y, centre_x + jitter_x, SHAPE_RADIUS[spec.size], size)
+        canvas[mask] = np.asarray(COLOURS[spec.colour], dtype=np.float32)
+    return np.clip(np.rint(canvas), 0, 255).astype(np.uint8)
+
+
+def sample_scene(rng: np.random.Generator, split: str = "train") -> SceneSpec:
+    """Draw a random scene whose caption belongs to `split` ('train', 'heldout' or 'any')."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    while True:
+        num_shapes = int(rng.choice(np.arange(1, MAX_SHAPES + 1), p=SHAPE_COUNT_PROBABILITIES))
+        positions = rng.choice(len(POSITIONS), size=num_shapes, replace=False)
+        shapes = tuple(
+            ShapeSpec(
+                colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))],
+                shape=SHAPES[rng.integers(len(SHAPES))],
+                size=SIZES[rng.integers(len(SIZES))],
+                position=POSITIONS[int(p)],
+            )
+            for p in positions
+        )
+        scene = canonical(
+            SceneSpec(shapes, BACKGROUNDS[rng.integers(len(BACKGROUNDS))], COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))])
+        )
+        if split == "any" or is_held_out(caption_of(scene)) == (split == "heldout"):
+            return scene
+
+
+def sample_scenes(count: int, seed: int, split: str = "train") -> list[SceneSpec]:
+    """`count` scenes of a split, fixed by `seed`."""
+    rng = np.random.default_rng(seed)
+    return [sample_scene(rng, split) for _ in range(count)]
+
+
+def render_dataset(count: int, seed: int, split: str = "train") -> tuple[list[str], np.ndarray]:
+    """Captions and pixels of `count` scenes fixed by `seed`.
+
+    Returns:
+        (captions, images): `count` captions and a (count, 32, 32, 3) uint8 array.
+    """
+    rng = np.random.default_rng(seed)
+    captions, images = [], np.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    for i in range(count):
+        scene = sample_scene(rng, split)
+        captions.append(caption_of(scene))
+        images[i] = render_scene(scene, rng)
+    return captions, images

@@ -1,0 +1,62 @@
+"""Logits processing and sampling, in the order LlamaGen's sampler applies them.
+
+    guided = combine_cfg(logits, scale)                # u + s (c - u) over [cond; uncond] rows
+    token = sample_tokens(guided, settings, generator)  # / temperature -> top-k -> top-p -> multinomial
+
+The same processing is applied to drafter logits in the tree decoder, so drafts are proposed
+from the distribution the target samples from. Randomness is explicit: every sampler takes a
+`torch.Generator`.
+
+Shapes: R rows = 2B with CFG ([cond; uncond] halves), B prompts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from models.target import SamplingDefaults
+
+
+def combine_cfg(logits: Tensor, scale: float) -> Tensor:
+    """Classifier-free guidance over [cond; uncond] halves: (2B, ..., V) -> (B, ..., V) = u + s (c - u)."""
+    if logits.shape[0] % 2:
+        raise ValueError(f"CFG needs an even number of rows ([cond; uncond] halves), got {logits.shape[0]}")
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + scale * (cond - uncond)
+
+
+def guided_logits(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tensor:
+    """Guided logits of the rows: CFG when the batch carries unconditional rows, else unchanged."""
+    return combine_cfg(logits, settings.cfg_scale) if cfg else logits
+
+
+def filter_logits(logits: Tensor, settings: SamplingDefaults) -> Tensor:
+    """Temperature, then top-k, then top-p; removed tokens get -inf. Greedy (T = 0) keeps logits unscaled."""
+    if settings.temperature > 0:
+        logits = logits / settings.temperature
+    if settings.top_k is not None and settings.top_k < logits.shape[-1]:
+        kth = logits.topk(settings.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p is not None and settings.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= settings.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probabilities(logits: Tensor, settings: SamplingDefaults) -> Tensor:
+    """The distribution a token is drawn from (one-hot at the argmax when greedy). (..., V) -> (..., V)."""
+    if settings.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return filter_logits(logits, settings).softmax(-1)
+
+
+def sample_tokens(logits: Tensor, settings: SamplingDefaults, generator: torch.Generator | None) -> Tensor:
+    """Draw one token per row from processed logits. (B, V) -> (B,) int64."""
+    if settings.temperature == 0:
+        return logits.argmax(-1)
+    probabilities = filter_logits(logits, settings).softmax(-1)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)

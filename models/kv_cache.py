@@ -1,0 +1,89 @@
+"""An explicit, preallocated key/value cache for decoder-only targets.
+
+The cache is a plain object passed into every forward, never hidden inside the model, so the
+tree decoder can see and rearrange it. Columns are filled left to right; `column_valid` says which
+filled columns later tokens may attend to (padded caption slots are invalid, and so are tree
+nodes that verification rejected until they are overwritten).
+
+Shapes: L layers, R rows (conditional and unconditional rows of a CFG batch), H key/value heads,
+S capacity in tokens, E head size, T new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for R rows, plus which columns are attendable."""
+
+    keys: Tensor  # (L, R, H, S, E)
+    values: Tensor  # (L, R, H, S, E)
+    column_valid: Tensor  # (R, S) bool
+    length: int = 0  # number of filled columns, the same for every row
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        rows: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty cache able to hold `capacity` tokens per row."""
+        shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
+        return cls(
+            keys=torch.zeros(shape, dtype=dtype, device=device),
+            values=torch.zeros(shape, dtype=dtype, device=device),
+            column_valid=torch.zeros(rows, capacity, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def write(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Store one layer's keys/values of T new tokens after the filled columns.
+
+        Args:
+            keys, values: (R, H, T, E) of the new tokens.
+
+        Returns:
+            all keys and values up to and including the new tokens, (R, H, length + T, E) each.
+        """
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} tokens do not fit its capacity of {self.capacity}")
+        self.keys[layer, :, :, self.length : end] = keys
+        self.values[layer, :, :, self.length : end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, new_valid: Tensor) -> None:
+        """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool."""
+        end = self.length + new_valid.shape[1]
+        self.column_valid[:, self.length : end] = new_valid
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        """Forget every column from `length` on (they are overwritten by the next write)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.column_valid[:, length : self.length] = False
+        self.length = length
+
+    def reorder_rows(self, index: Tensor) -> None:
+        """Keep rows `index` ((R',) int64) in that order, e.g. to drop finished images."""
+        self.keys = self.keys[:, index]
+        self.values = self.values[:, index]
+        self.column_valid = self.column_valid[index]

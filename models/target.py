@@ -1,0 +1,183 @@
+"""The target interface: what the pipeline needs from any autoregressive text-to-image model.
+
+Whatever the family (the toy world's LlamaGen, LlamaGen-XL, Janus-Pro, Lumina-mGPT), extraction,
+training and the tree decoder speak to a target only through `ImageTarget`, in terms of the image
+vocabulary:
+
+- `condition(prompts, cfg=True)` turns prompts into the prefix of every row: B conditional rows
+  followed by B unconditional rows ([cond; uncond] halves, as LlamaGen and transformers' Janus lay
+  them out), exactly as the model's official sampler builds them;
+- `prefill` runs that prefix into a KV cache; its last output predicts the first image token;
+- `forward` runs new image tokens over the cache, with explicit positions (`image_positions`) and
+  an optional tree attention mask, and returns image-vocabulary logits, the last layer's post-norm
+  hidden state and, on request, the EAGLE-3 auxiliary streams (low, mid, high);
+- `embed_image_tokens` and `image_head` are the frozen input embedding and output head over image
+  codes, for drafters to reuse;
+- `sampling` holds the official sampling defaults and `geometry` the token grid and pixel size;
+  `decode_images` turns image tokens into pixels.
+
+Shapes: B prompts, R rows (2B with CFG, else B), T new tokens, C prefix length, D hidden size,
+V image vocabulary, G image tokens per image.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from models.kv_cache import KVCache
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingDefaults:
+    """A target's official sampling settings: CFG, then temperature, then top-k, then top-p."""
+
+    cfg_scale: float
+    """Guidance scale s in u + s (c - u); 1.0 means no guidance."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_k: int | None = None
+    """Keep the k most likely image tokens; None keeps all."""
+    top_p: float | None = None
+    """Keep the smallest set of tokens with this much probability; None keeps all."""
+
+    def __post_init__(self) -> None:
+        if self.cfg_scale < 0:
+            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] or be None, got {self.top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageGeometry:
+    """Where image tokens go and what they decode to."""
+
+    grid: tuple[int, int]
+    """Token rows and columns of an image."""
+    image_size: tuple[int, int]
+    """Pixel height and width of a decoded image."""
+
+    @property
+    def num_tokens(self) -> int:
+        """G, the image tokens generated per image."""
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass
+class Conditioning:
+    """The prefix of every row: B conditional rows, then (with CFG) B unconditional rows."""
+
+    inputs_embeds: Tensor  # (R, C, D)
+    valid: Tensor  # (R, C) bool: prefix slots that later tokens may attend to (False for padding)
+    positions: Tensor  # (C,) or (R, C) int64
+    num_prompts: int  # B
+    cfg: bool  # whether the unconditional half is present
+
+    @property
+    def rows(self) -> int:
+        return self.inputs_embeds.shape[0]
+
+
+@dataclass
+class TargetOutput:
+    """One target forward: image logits, post-norm hidden state, optional EAGLE-3 streams."""
+
+    logits: Tensor  # (R, T, V)
+    hidden: Tensor  # (R, T, D)
+    aux: Tensor | None = None  # (R, T, 3D): low, mid and high streams concatenated
+
+
+class ImageTarget(ABC):
+    """An autoregressive text-to-image model seen through the image vocabulary."""
+
+    name: str
+    family: str
+    sampling: SamplingDefaults
+    geometry: ImageGeometry
+
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int:
+        """D, the width of `hidden`."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Decoder layers of the target."""
+
+    @property
+    @abstractmethod
+    def image_vocab_size(self) -> int:
+        """V, the image codebook size."""
+
+    @property
+    @abstractmethod
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Residual streams returned as `aux` (index i = input of layer i, transformers' hidden_states[i])."""
+
+    @property
+    @abstractmethod
+    def prefix_length(self) -> int:
+        """C, the prefix slots `condition` produces."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.image_head_weight().device
+
+    @abstractmethod
+    def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:
+        """Build the prefix of the conditional (and unconditional) rows for `prompts`."""
+
+    @abstractmethod
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        """An empty KV cache for `rows` rows of up to `capacity` tokens."""
+
+    @abstractmethod
+    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
+        """Run the prefix into `cache`. The output at the last prefix slot predicts image token 0."""
+
+    @abstractmethod
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        tree_mask: Tensor | None = None,
+        return_aux: bool = False,
+    ) -> TargetOutput:
+        """Run new image tokens over the cache.
+
+        Args:
+            tokens: (R, T) image token ids.
+            positions: (T,) or (R, T) position ids, from `image_positions`.
+            cache: holds the prefix and every committed token; the new tokens are appended.
+            tree_mask: (T, T) or (R, T, T) bool, which new tokens each may attend to; None = causal.
+            return_aux: also return the EAGLE-3 auxiliary streams.
+        """
+
+    @abstractmethod
+    def image_positions(self, token_index: Tensor) -> Tensor:
+        """Position ids of image tokens given their index in the image (0 .. G-1), same shape."""
+
+    @abstractmethod
+    def embed_image_tokens(self, tokens: Tensor) -> Tensor:
+        """The frozen input embedding of image tokens: (...,) int64 -> (..., D)."""
+
+    @abstractmethod
+    def image_head(self, hidden: Tensor) -> Tensor:
+        """The frozen output head: (..., D) post-norm hidden -> (..., V) image logits."""
+
+    @abstractmethod
+    def image_head_weight(self) -> Tensor:
+        """A parameter of the head, to learn the device and dtype."""
+
+    @abstractmethod
+    def decode_images(self, tokens: Tensor) -> Tensor:
+        """(B, G) image tokens -> (B, H, W, 3) uint8 pixels."""

@@ -1,0 +1,183 @@
+"""Train the embedded toy world's models: the patch VQ, the text-to-image target and the scene reader.
+
+    python -m training.toy_target --stage all            # everything, about 45 minutes on 2 CPU cores
+    python -m training.toy_target --stage target --steps 3000 --out models/assets
+
+Stages (each writes one safetensors file into --out; the shipped files in `models/assets/` were
+made by exactly this command, see `models/assets/MODEL_CARD.md`):
+
+- `vq`: k-means patch codebook fitted on 4000 training scenes -> `toy_vq.safetensors`;
+- `target`: the caption encoder + LlamaGen GPT, trained on freshly drawn training scenes with
+  caption dropout (the learned unconditional caption replaces 10 % of captions, for CFG) ->
+  `toy_target.safetensors`; resumable from `toy_target.partial.pt` after an interruption;
+- `reader`: the CNN that reads scene attributes from pixels (prompt fidelity) and gives the
+  FID-style features, trained on scenes both clean and passed through the VQ -> `scene_reader.safetensors`.
+
+Scenes are drawn from seeds derived from (seed, step), so a run is reproducible and a resumed run
+sees the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data.toy_scenes import render_dataset
+from models.toy_model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
+from models.vq import PatchVQ, reconstruction_error
+
+ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
+
+
+def train_vq(out: Path, seed: int, num_images: int = 4000, num_codes: int = 512) -> PatchVQ:
+    """Fit the patch codebook on training scenes and save it."""
+    _, images = render_dataset(num_images, seed=seed, split="train")
+    vq = PatchVQ(num_codes=num_codes, patch=4, image_size=images.shape[1])
+    errors = vq.fit(torch.from_numpy(images), iterations=20, seed=seed)
+    _, held_out = render_dataset(256, seed=seed + 1, split="heldout")
+    print(f"vq: {num_codes} codes, patch MSE {errors[-1]:.5f}, held-out mean abs pixel error "
+          f"{reconstruction_error(vq, held_out):.2f}/255")  # fmt: skip
+    vq.save(out / "toy_vq.safetensors")
+    return vq
+
+
+def _batch(vq: PatchVQ, size: int, seed: int, split: str = "train") -> tuple[list[str], torch.Tensor]:
+    captions, images = render_dataset(size, seed=seed, split=split)
+    return captions, vq.encode(torch.from_numpy(images))
+
+
+def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def target_loss(model: ToyTextToImage, captions: list[str], tokens: torch.Tensor, dropout: float,
+                generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """Cross-entropy of the image tokens, with caption dropout to the learned unconditional caption."""
+    features, valid = model.caption_features(captions)
+    drop = torch.rand(len(captions), generator=generator) < dropout  # (B,)
+    uncond = model.gpt.unconditional_captions(len(captions))
+    features = torch.where(drop[:, None, None], uncond, features)
+    logits = model(features, valid, tokens)  # (B, G, V)
+    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def train_target(out: Path, vq: PatchVQ, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Train the toy target; resumes from `toy_target.partial.pt` when it exists."""
+    torch.manual_seed(seed)
+    model = ToyTextToImage(CaptionEncoderConfig(), TOY_GPT_CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(seed)
+    partial = out / "toy_target.partial.pt"
+    start, elapsed, history = 0, 0.0, []
+    if partial.exists():
+        state = torch.load(partial, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        start, elapsed, history = state["step"], state["elapsed"], state["history"]
+        print(f"target: resuming from step {start} ({partial})")
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"target: {num_params / 1e6:.2f} M parameters, {steps} steps of {batch_size} scenes")
+    eval_captions, eval_tokens = _batch(vq, 256, seed=seed + 7, split="heldout")
+    progress = tqdm(range(start, steps), initial=start, total=steps, desc="toy target")
+    began = time.perf_counter() - elapsed
+    for step in progress:
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step, steps, lr, warmup=100)
+        captions, tokens = _batch(vq, batch_size, seed=seed * 1_000_003 + step)
+        loss = target_loss(model, captions, tokens, dropout=0.1, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % 250 == 0 or step + 1 == steps:
+            with torch.no_grad():
+                model.eval()
+                held_out = target_loss(model, eval_captions, eval_tokens, 0.0, generator).item()
+                model.train()
+            history.append((step + 1, loss.item(), held_out))
+            tqdm.write(f"step {step + 1}: train loss {loss.item():.4f}, held-out loss {held_out:.4f}")
+            _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "generator": generator.get_state(), "step": step + 1,
+                          "elapsed": time.perf_counter() - began, "history": history}, partial)  # fmt: skip
+    train_seconds = time.perf_counter() - began
+    final = history[-1] if history else (steps, float("nan"), float("nan"))
+    model.save(out / "toy_target.safetensors", extra_metadata={
+        "steps": str(steps), "batch_size": str(batch_size), "train_seconds": f"{train_seconds:.0f}",
+        "final_train_loss": f"{final[1]:.4f}", "final_heldout_loss": f"{final[2]:.4f}",
+    })  # fmt: skip
+    print(f"target: {steps} steps in {train_seconds / 60:.1f} min, held-out loss {final[2]:.4f}")
+    partial.unlink(missing_ok=True)
+
+
+def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128) -> None:
+    """Train the scene reader on clean and VQ-round-tripped scenes, then report its accuracy."""
+    from models.toy_metrics import SceneReader, scene_labels
+
+    torch.manual_seed(seed)
+    reader = SceneReader()
+    optimizer = torch.optim.AdamW(reader.parameters(), lr=2e-3, weight_decay=1e-4)
+    progress = tqdm(range(steps), desc="scene reader")
+    for step in progress:
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step, steps, 2e-3, warmup=50)
+        captions, images = render_dataset(batch_size, seed=seed * 7_000_003 + step, split="any")
+        pixels = torch.from_numpy(images)
+        half = batch_size // 2  # half of every batch goes through the VQ, as generated images do
+        pixels[:half] = vq.decode(vq.encode(pixels[:half]))
+        loss = reader.loss(pixels, scene_labels(captions))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        progress.set_postfix(loss=f"{loss.item():.4f}")
+    reader.eval()
+    captions, images = render_dataset(1000, seed=seed + 99, split="heldout")
+    pixels = torch.from_numpy(images)
+    clean = reader.fidelity(pixels, captions)
+    through_vq = reader.fidelity(vq.decode(vq.encode(pixels)), captions)
+    print(f"reader: fidelity on 1000 held-out ground-truth scenes {clean:.4f} clean, {through_vq:.4f} through the VQ")
+    reader.save(out / "scene_reader.safetensors")
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["vq", "target", "reader", "all"], default="all")
+    parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
+    parser.add_argument("--steps", type=int, default=3000, help="target training steps")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--reader-steps", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    np.seterr(all="raise")
+    args.out.mkdir(parents=True, exist_ok=True)
+    vq_path = args.out / "toy_vq.safetensors"
+    vq = train_vq(args.out, args.seed) if args.stage in ("vq", "all") else PatchVQ.load(vq_path)
+    if args.stage in ("target", "all"):
+        train_target(args.out, vq, args.steps, args.batch_size, args.lr, args.seed)
+    if args.stage in ("reader", "all"):
+        train_reader(args.out, vq, args.reader_steps, args.seed)
+
+
+if __name__ == "__main__":
+    main()
