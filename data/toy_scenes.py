@@ -123,7 +123,9 @@ def sample_scene(rng: np.random.Generator, split: str = "train") -> SceneSpec:
             for p in positions
         )
         scene = canonical(
-            SceneSpec(shapes, BACKGROUNDS[rng.integers(len(BACKGROUNDS))], COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))])
+            SceneSpec(
+                shapes, BACKGROUNDS[rng.integers(len(BACKGROUNDS))], COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
+            )
         )
         if split == "any" or is_held_out(caption_of(scene)) == (split == "heldout"):
             return scene

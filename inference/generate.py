@@ -99,7 +99,9 @@ def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 4) -
     canvas = np.full((rows * (height + 1) + 1, columns * (width + 1) + 1, 3), 255, dtype=np.uint8)
     for i, image in enumerate(images):
         r, c = divmod(i, columns)
-        canvas[1 + r * (height + 1) : 1 + r * (height + 1) + height, 1 + c * (width + 1) : 1 + c * (width + 1) + width] = image
+        canvas[
+            1 + r * (height + 1) : 1 + r * (height + 1) + height, 1 + c * (width + 1) : 1 + c * (width + 1) + width
+        ] = image
     picture = Image.fromarray(canvas)
     return picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
 
@@ -155,15 +157,29 @@ def main(argv: list[str] | None = None) -> None:
         for offset, (prompt, image) in enumerate(zip(batch, pixels, strict=True)):
             index = start + offset
             _save_png(image, args.out / f"{index:05d}.png")
-            records.append({"index": index, "prompt": prompt, "file": f"{index:05d}.png",
-                            "target_forwards": result.target_forwards,
-                            "seconds": result.seconds / len(batch)})  # fmt: skip
+            records.append(
+                {
+                    "index": index,
+                    "prompt": prompt,
+                    "file": f"{index:05d}.png",
+                    "target_forwards": result.target_forwards,
+                    "seconds": result.seconds / len(batch),
+                }
+            )
         images.append(pixels)
-        print(f"batch of {len(batch)}: {result.seconds:.2f} s, mean entropy {result.mean_entropy:.3f} nats, "
-              f"mean top-1 probability {result.mean_top1:.3f}")  # fmt: skip
+        print(
+            f"batch of {len(batch)}: {result.seconds:.2f} s, mean entropy {result.mean_entropy:.3f} nats, "
+            f"mean top-1 probability {result.mean_top1:.3f}"
+        )
     _save_png(image_grid(np.concatenate(images)), args.out / "grid.png")
-    summary = {"target": args.target, "rule": "ar", "sampling": dataclasses.asdict(settings), "seed": args.seed,
-               "note": "plain autoregressive sampling: one target forward per image token", "images": records}  # fmt: skip
+    summary = {
+        "target": args.target,
+        "rule": "ar",
+        "sampling": dataclasses.asdict(settings),
+        "seed": args.seed,
+        "note": "plain autoregressive sampling: one target forward per image token",
+        "images": records,
+    }
     tmp = args.out / "generation.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, args.out / "generation.json")

@@ -335,8 +335,15 @@ LLAMAGEN_PRESETS: dict[str, LlamaGenConfig] = {
     "t2i-XL-stage2": LlamaGenConfig(grid_size=32),
     # Shapes only, for tests of the key layout.
     "tiny": LlamaGenConfig(
-        dim=64, num_layers=2, num_heads=4, vocab_size=64, caption_dim=32, cls_token_num=8, grid_size=4,
-        multiple_of=32, aux_layer_ids=(0, 1, 2),
+        dim=64,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=64,
+        caption_dim=32,
+        cls_token_num=8,
+        grid_size=4,
+        multiple_of=32,
+        aux_layer_ids=(0, 1, 2),
     ),  # fmt: skip
 }
 

@@ -1,6 +1,6 @@
 """Targets by name: the one place that maps a `--target` string to an `ImageTarget`.
 
-    target = load_target("toy")                      # the embedded toy world
+target = load_target("toy")                      # the embedded toy world
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ def scene_labels(captions: list[str]) -> dict[str, Tensor]:
     Colour, shape and size are IGNORE (-100) at positions without a shape.
     """
     batch = len(captions)
-    labels = {name: torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long) for name in ("colour", "shape", "size")}
+    labels = {
+        name: torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long) for name in ("colour", "shape", "size")
+    }
     labels["present"] = torch.zeros(batch, NUM_POSITIONS, dtype=torch.long)
     labels["background"] = torch.empty(batch, dtype=torch.long)
     labels["background_colour"] = torch.empty(batch, dtype=torch.long)
@@ -92,7 +94,10 @@ class SceneReader(nn.Module):
         """Sum of the attribute cross-entropies (absent positions ignored for colour/shape/size)."""
         logits = self(images)
         return sum(
-            (F.cross_entropy(logits[name].flatten(0, -2), labels[name].flatten(), ignore_index=IGNORE) for name in logits),
+            (
+                F.cross_entropy(logits[name].flatten(0, -2), labels[name].flatten(), ignore_index=IGNORE)
+                for name in logits
+            ),
             start=torch.zeros(()),
         )
 
@@ -111,7 +116,11 @@ class SceneReader(nn.Module):
         ok = (read["present"] == labels["present"]).all(1)
         for name in ("colour", "shape", "size"):
             ok &= ((read[name] == labels[name]) | ~present).all(1)
-        return ok & (read["background"] == labels["background"]) & (read["background_colour"] == labels["background_colour"])
+        return (
+            ok
+            & (read["background"] == labels["background"])
+            & (read["background_colour"] == labels["background_colour"])
+        )
 
     def fidelity(self, images: Tensor, captions: list[str], batch_size: int = 256) -> float:
         """Prompt fidelity: the fraction of images whose attributes, read from pixels, match the caption."""

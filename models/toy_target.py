@@ -91,7 +91,9 @@ class ToyTarget(ImageTarget):
 
     @torch.no_grad()
     def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
-        return self._run(conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux)
+        return self._run(
+            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
+        )
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
@@ -118,4 +120,3 @@ class ToyTarget(ImageTarget):
     @torch.no_grad()
     def decode_images(self, tokens: Tensor) -> Tensor:
         return self.vq.decode(tokens.cpu())
-

@@ -144,16 +144,12 @@ def parse_caption(text: str) -> SceneSpec:
             f"caption {text!r} does not end with 'on a <plain|gradient|striped|checkered> <colour> background'"
         )
     objects = caption[: background.start()]
-    shapes = [
-        ShapeSpec(m["colour"], m["shape"], m["size"], m["position"]) for m in _SHAPE_PATTERN.finditer(objects)
-    ]
+    shapes = [ShapeSpec(m["colour"], m["shape"], m["size"], m["position"]) for m in _SHAPE_PATTERN.finditer(objects)]
     if not shapes:
         raise ValueError(f"caption {text!r} names no shape like 'a small red circle at the top left'")
     scene = SceneSpec(tuple(shapes), background["background"], background["colour"])
     if caption_of(scene) != caption:
-        raise ValueError(
-            f"caption {text!r} is not in the toy grammar; the closest caption is {caption_of(scene)!r}"
-        )
+        raise ValueError(f"caption {text!r} is not in the toy grammar; the closest caption is {caption_of(scene)!r}")
     return scene
 
 

@@ -1,0 +1,66 @@
+"""Prompt fidelity and the FID-style distance of the toy world, with the shipped scene reader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data.toy_scenes import render_dataset
+from models.toy_metrics import SceneReader, frechet_distance
+from models.toy_world import parse_caption
+from models.vq import PatchVQ
+
+
+@pytest.fixture(scope="module")
+def reader() -> SceneReader:
+    return SceneReader.load("models/assets/scene_reader.safetensors")
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    captions, images = render_dataset(128, seed=2024, split="heldout")
+    return captions, torch.from_numpy(images)
+
+
+def test_fidelity_is_one_on_ground_truth_scenes(reader, held_out):
+    captions, images = held_out
+    assert reader.fidelity(images, captions) == 1.0
+    vq = PatchVQ.load("models/assets/toy_vq.safetensors")
+    assert reader.fidelity(vq.decode(vq.encode(images)), captions) >= 0.95  # what a perfect target could reach
+
+
+def test_fidelity_drops_when_captions_do_not_match(reader, held_out):
+    captions, images = held_out
+    shuffled = captions[1:] + captions[:1]
+    assert reader.fidelity(images, shuffled) < 0.05
+
+
+SWAPS = {"small": "large", "large": "small", "red": "blue", "blue": "red", "circle": "square", "square": "circle",
+         "cross": "triangle", "triangle": "cross", "plain": "striped", "striped": "plain", "gradient": "checkered",
+         "checkered": "gradient", "top": "bottom", "bottom": "top"}  # fmt: skip
+
+
+def test_changing_any_attribute_word_breaks_the_match(reader):
+    truth, image = render_dataset(4, seed=7, split="any")
+    image = torch.from_numpy(image)
+    assert reader.fidelity(image, truth) == 1.0
+    for caption, pixels in zip(truth, image, strict=True):
+        words = caption.split()
+        for i, word in enumerate(words):
+            if word not in SWAPS:
+                continue
+            changed = " ".join(words[:i] + [SWAPS[word]] + words[i + 1 :])
+            try:
+                parse_caption(changed)
+            except ValueError:  # e.g. two shapes moved onto one position
+                continue
+            assert reader.fidelity(pixels[None], [changed]) == 0.0, changed
+
+
+def test_frechet_distance_is_zero_for_identical_sets_and_grows_with_difference(reader, held_out):
+    _, images = held_out
+    assert abs(frechet_distance(images, images, reader)) < 1e-2
+    _, other = render_dataset(128, seed=99, split="heldout")
+    same_world = frechet_distance(images, torch.from_numpy(other), reader)
+    noise = torch.randint(0, 256, images.shape, dtype=torch.uint8)
+    assert 0 < same_world < frechet_distance(images, noise, reader)
