@@ -103,7 +103,7 @@ def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 4) -
             1 + r * (height + 1) : 1 + r * (height + 1) + height, 1 + c * (width + 1) : 1 + c * (width + 1) + width
         ] = image
     picture = Image.fromarray(canvas)
-    return picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    return picture.resize((picture.width * scale, picture.height * scale), Image.Resampling.NEAREST)
 
 
 def read_prompt_lines(path: Path) -> list[str]:

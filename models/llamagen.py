@@ -211,6 +211,8 @@ class CaptionMLP(nn.Module):
 class CaptionEmbedder(nn.Module):
     """Projects caption features to the model width; holds the learned unconditional caption."""
 
+    uncond_embedding: Tensor  # (C, F), a registered buffer
+
     def __init__(self, config: LlamaGenConfig) -> None:
         super().__init__()
         self.cap_proj = CaptionMLP(config.caption_dim, config.dim)
@@ -224,6 +226,8 @@ class CaptionEmbedder(nn.Module):
 
 class LlamaGenTransformer(nn.Module):
     """The LlamaGen t2i GPT: caption slots then image tokens, 2D RoPE, image-vocabulary head."""
+
+    rotary_table: Tensor  # (C + grid^2, E/2, 2), a non-persistent buffer
 
     def __init__(self, config: LlamaGenConfig) -> None:
         super().__init__()
@@ -361,13 +365,14 @@ def load_llamagen_checkpoint(path: str | Path, config: LlamaGenConfig) -> LlamaG
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        state: dict[str, Tensor] = load_file(str(path))
     else:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
         for wrapper in ("model", "module", "state_dict"):
-            if isinstance(state, dict) and wrapper in state and isinstance(state[wrapper], dict):
-                state = state[wrapper]
+            if isinstance(loaded, dict) and isinstance(loaded.get(wrapper), dict):
+                loaded = loaded[wrapper]
                 break
+        state = loaded
     model = LlamaGenTransformer(config)
     state = {key.removeprefix("_orig_mod."): value for key, value in state.items()}
     expected = set(model.state_dict())

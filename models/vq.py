@@ -40,6 +40,8 @@ def patches_to_image(patches: Tensor, grid: tuple[int, int], patch: int) -> Tens
 class PatchVQ(nn.Module):
     """K-means patch tokenizer: `encode` pixels to code ids, `decode` code ids to pixels."""
 
+    codebook: Tensor  # (K, C), a registered buffer
+
     def __init__(self, num_codes: int = 512, patch: int = 4, image_size: int = 32) -> None:
         super().__init__()
         if image_size % patch:

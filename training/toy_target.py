@@ -10,6 +10,8 @@ made by exactly this command, see `models/assets/MODEL_CARD.md`):
 - `target`: the caption encoder + LlamaGen GPT, trained on freshly drawn training scenes with
   caption dropout (the learned unconditional caption replaces 10 % of captions, for CFG) ->
   `toy_target.safetensors`; resumable from `toy_target.partial.pt` after an interruption;
+- `eval`: samples held-out captions at each CFG scale of --eval-cfg-scales and prints prompt
+  fidelity, the FID-style distance to the true scenes, mean next-token entropy and top-1 probability;
 - `reader`: the CNN that reads scene attributes from pixels (prompt fidelity) and gives the
   FID-style features, trained on scenes both clean and passed through the VQ -> `scene_reader.safetensors`.
 
@@ -151,6 +153,33 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
     reader.save(out / "scene_reader.safetensors")
 
 
+def evaluate(folder: Path, num_prompts: int, cfg_scales: list[float], seed: int, grid_out: Path) -> None:
+    """Sample held-out captions with the trained target at several CFG scales; print fidelity, FID, entropy."""
+    import dataclasses
+
+    from inference.generate import generate_ar, image_grid
+    from models.toy_metrics import SceneReader, frechet_distance
+    from models.toy_target import ToyTarget
+
+    target = ToyTarget.from_assets(folder)
+    reader = SceneReader.load(folder / "scene_reader.safetensors")
+    captions, truth = render_dataset(num_prompts, seed=seed, split="heldout")
+    truth = torch.from_numpy(truth)
+    print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}")
+    print("cfg_scale  fidelity  fid_vs_truth  entropy_nats  top1_prob  seconds")
+    grid_out.mkdir(parents=True, exist_ok=True)
+    for scale in cfg_scales:
+        settings = dataclasses.replace(target.sampling, cfg_scale=scale)
+        generation = generate_ar(target, captions, settings, torch.Generator().manual_seed(seed), progress=True)
+        images = target.decode_images(generation.tokens)
+        fidelity = reader.fidelity(images, captions)
+        distance = frechet_distance(truth, images, reader)
+        print(f"{scale:9.2f}  {fidelity:8.3f}  {distance:12.2f}  {generation.mean_entropy:12.3f}  "
+              f"{generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
+        image_grid(images.numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
+    print(f"grids in {grid_out}")
+
+
 def _atomic_save(obj: object, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -159,13 +188,16 @@ def _atomic_save(obj: object, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["vq", "target", "reader", "all"], default="all")
+    parser.add_argument("--stage", choices=["vq", "target", "reader", "eval", "all"], default="all")
     parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
     parser.add_argument("--steps", type=int, default=3000, help="target training steps")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--reader-steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out captions sampled by --stage eval")
+    parser.add_argument("--eval-cfg-scales", default="1.0,3.0", help="comma-separated CFG scales for --stage eval")
+    parser.add_argument("--eval-out", type=Path, default=Path("runs/toy_eval"), help="where --stage eval puts grids")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -177,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
         train_target(args.out, vq, args.steps, args.batch_size, args.lr, args.seed)
     if args.stage in ("reader", "all"):
         train_reader(args.out, vq, args.reader_steps, args.seed)
+    if args.stage in ("eval", "all"):
+        scales = [float(s) for s in args.eval_cfg_scales.split(",")]
+        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out)
 
 
 if __name__ == "__main__":
