@@ -87,3 +87,34 @@ class KVCache:
         self.keys = self.keys[:, index]
         self.values = self.values[:, index]
         self.column_valid = self.column_valid[index]
+
+    def keep_columns(self, start: int, columns: Tensor, valid: Tensor) -> None:
+        """Move, per row, the columns `columns` to `start`, `start + 1`, ... and forget the rest after `start`.
+
+        The tree decoder uses this to commit a verified tree: the accepted path's entries move into
+        place and the rejected nodes are forgotten. Keys already carry their rotary position, so a
+        column's slot does not matter, only whether it is valid.
+
+        Args:
+            start: first column that may change; earlier columns stay as they are.
+            columns: (R, M) int64 absolute column indices, each >= start and < length.
+            valid: (R, M) bool, False for padding (rows that keep fewer than M entries).
+        """
+        width = columns.shape[1]
+        end = start + width
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} columns do not fit its capacity of {self.capacity}")
+        layers, rows, heads, _, head_dim = self.keys.shape
+        index = columns[None, :, None, :, None].expand(layers, rows, heads, width, head_dim)  # (L, R, H, M, E)
+        self.keys[:, :, :, start:end] = self.keys.gather(3, index)
+        self.values[:, :, :, start:end] = self.values.gather(3, index)
+        self.column_valid[:, start : max(end, self.length)] = False
+        self.column_valid[:, start:end] = valid
+        self.length = end
+
+    def compact(self, start: int) -> None:
+        """Squeeze out invalid columns from `start` on, per row, keeping their order (one host sync)."""
+        valid = self.column_valid[:, start : self.length]  # (R, T)
+        order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # valid columns first
+        keep = int(valid.sum(1).max())  # host sync: the new length
+        self.keep_columns(start, start + order[:, :keep], valid.gather(1, order[:, :keep]))

@@ -1,0 +1,393 @@
+"""What the tree decoder needs from a drafter, how it drafts a tree with one, and stub drafters for tests.
+
+A drafter is an EAGLE-style model with its own KV cache. It reads pairs (feature, token): the
+feature is the state that predicted `token` and its output at that element predicts the token after
+`token` (cascade.md §2.2). Features come from the target after a verification step and from the
+drafter itself deeper in a draft tree:
+
+- EAGLE-1 (`feature_source = "hidden"`): target last-layer post-norm hidden (R, T, D); deeper tree
+  levels feed back the drafter's own predicted features.
+- EAGLE-3 (`feature_source = "aux"`): the target's low/mid/high streams `aux` (R, T, 3D), fused by the
+  drafter's fc; deeper levels feed back the drafter's own hidden (no fc): `from_target=False`.
+
+The drafter runs every CFG row ([cond; uncond]) and returns raw logits; the decoder applies the
+target's processing (CFG, temperature, top-k, top-p) to them (cascade.md §2.1).
+
+Cache protocol: pairs with `from_target=True` are committed context. While drafting a tree the
+decoder notes `tree_start = cache.length`, calls the drafter once per level with `tree_start` and
+`tree_mask` (which draft columns, from `tree_start` on, each new element may attend to), then
+truncates the cache back to `tree_start`. `build_draft_attention_mask` turns this into a full mask.
+
+Shapes: B prompts, R rows (2B with CFG), T new elements, J draft columns cached since tree_start,
+S cache columns, D hidden size, Df feature width, V vocabulary, K top-k, N tree nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from inference.sampling import filter_logits, guided_logits
+from inference.tree import StaticTreeSpec, Tree, ancestor_mask, gumbel_topk, select_dynamic_tree
+from models.kv_cache import KVCache
+from models.target import Conditioning, ImageTarget, SamplingDefaults, TargetOutput
+
+
+@dataclass
+class DraftOutput:
+    logits: Tensor  # (R, T, V) raw drafter logits, before CFG
+    hidden: Tensor  # (R, T, D) the drafter's own features, fed to the next tree level
+
+
+class Drafter(Protocol):
+    """An EAGLE-1/EAGLE-3 style drafter that owns its KV cache."""
+
+    feature_source: str  # "hidden" (EAGLE-1) or "aux" (EAGLE-3): which target output feeds `forward`
+
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        """An empty cache for `rows` rows of up to `capacity` elements."""
+
+    def prefill(self, conditioning: Conditioning, target_prefix: TargetOutput, cache: KVCache) -> None:
+        """Consume the prompt prefix (the target's prefill outputs over it). No image token yet."""
+
+    def forward(
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        *,
+        from_target: bool,
+        valid: Tensor | None = None,
+        tree_start: int | None = None,
+        tree_mask: Tensor | None = None,
+    ) -> DraftOutput:
+        """Run T (feature, token) pairs, appending them to `cache`.
+
+        Args:
+            features: (R, T, Df) target hidden/aux (`from_target`) or the drafter's own hidden.
+            tokens: (R, T) image tokens; positions: (R, T) their target position ids.
+            valid: (R, T) bool, False for padding (written but never attended to); None = all valid.
+            tree_start, tree_mask: while drafting a tree, (R, T, cache.length - tree_start + T) bool
+                over the draft columns; None = causal over the new elements.
+        """
+
+
+def build_draft_attention_mask(
+    cache: KVCache, new_valid: Tensor, tree_start: int | None = None, tree_mask: Tensor | None = None
+) -> Tensor:
+    """Full attention mask of T new elements over S = cache.length + T columns, for drafter implementations.
+
+    Columns before `tree_start` follow `cache.column_valid`; later columns follow `tree_mask`
+    (causal when None); every element attends to itself. Returns (R, T, S) bool.
+    """
+    rows, length = new_valid.shape
+    device = new_valid.device
+    start = cache.length if tree_start is None else tree_start
+    if tree_mask is None:
+        tree_mask = torch.ones(length, cache.length - start + length, dtype=torch.bool, device=device)
+        tree_mask = tree_mask.tril(cache.length - start)
+    tree_mask = tree_mask.expand(rows, length, -1)
+    valid = torch.cat([cache.column_valid[:, start : cache.length], new_valid], dim=1)  # (R, J + T)
+    eye = torch.zeros_like(tree_mask)
+    eye[:, :, cache.length - start :] = torch.eye(length, dtype=torch.bool, device=device)
+    context = cache.column_valid[:, None, :start].expand(rows, length, start)  # (R, T, start)
+    return torch.cat([context, (tree_mask & valid[:, None, :]) | eye], dim=-1)
+
+
+def to_rows(x: Tensor, cfg: bool) -> Tensor:
+    """Per-prompt (B, ...) -> per-row (R, ...): the conditional and unconditional rows share tokens."""
+    return torch.cat([x, x]) if cfg else x
+
+
+def draft_distribution(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tensor:
+    """The target's processing applied to drafter logits: (R, T, V) -> q (B, T, V).
+
+    Greedy settings (temperature 0) keep the logits unscaled, so q still ranks the candidates.
+    """
+    return filter_logits(guided_logits(logits, settings, cfg), settings).float().softmax(-1)
+
+
+@dataclass
+class DraftContext:
+    """Everything tree drafting needs for one verification step."""
+
+    drafter: Drafter
+    cache: KVCache
+    target: ImageTarget
+    settings: SamplingDefaults
+    cfg: bool
+    root_index: Tensor  # (B,) image-token index of the root
+    forwards: int = 0  # drafter calls made while drafting this tree
+
+    def run_level(
+        self, parent_hidden: Tensor, tokens: Tensor, depth: int, tree_start: int, tree_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
+        tree_mask (B, W, J + W) -> q (B, W, V), hidden (R, W, D)."""
+        index = (self.root_index[:, None] + depth).clamp_max(self.target.geometry.num_tokens - 1)  # past the end:
+        positions = self.target.image_positions(index.expand_as(tokens))  # never accepted, any position does
+        out = self.drafter.forward(
+            parent_hidden,
+            to_rows(tokens, self.cfg),
+            to_rows(positions, self.cfg),
+            self.cache,
+            from_target=False,
+            tree_start=tree_start,
+            tree_mask=to_rows(tree_mask, self.cfg),
+        )
+        self.forwards += 1
+        return draft_distribution(out.logits, self.settings, self.cfg), out.hidden
+
+
+def draft_static_tree(
+    ctx: DraftContext,
+    spec: StaticTreeSpec,
+    root_token: Tensor,
+    root_q: Tensor,
+    root_hidden: Tensor,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tree:
+    """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
+
+    Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
+    rank order (deterministic drafts, q_cond = 1). One drafter call per level with children.
+
+    Args:
+        root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
+        root_hidden: (R, D) the drafter's hidden at the root.
+    """
+    batch, vocab = root_q.shape
+    device = root_q.device
+    num_nodes, parents = spec.num_nodes, spec.parents
+    if spec.max_children > vocab:
+        raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
+    tokens = torch.zeros(batch, num_nodes, dtype=torch.long, device=device)
+    tokens[:, 0] = root_token
+    q_cond = torch.ones(batch, num_nodes, device=device)
+    q_full = torch.zeros(batch, num_nodes, vocab, device=device)
+    q_full[:, 0] = root_q
+    anc = ancestor_mask(torch.tensor([parents], device=device), spec.max_depth)[0]  # (N, N)
+    expanded, level_q, level_hidden = [0], root_q[:, None], root_hidden[:, None]  # level d-1 state
+    run_columns: list[int] = []  # draft-cache column j holds node run_columns[j]
+    tree_start = ctx.cache.length
+    for depth in range(1, spec.max_depth + 1):
+        nodes = spec.level(depth)
+        slot = {node: i for i, node in enumerate(expanded)}
+        parent_slot = [slot[parents[n]] for n in nodes]
+        rank = torch.tensor([spec.ranks[n] for n in nodes], device=device)
+        width = max(spec.ranks[n] for n in nodes) + 1
+        if greedy:
+            draws, probs = level_q.topk(width, dim=-1).indices, torch.ones(level_q.shape[:-1] + (width,), device=device)
+        else:
+            draws, probs = gumbel_topk(level_q, width, generator)  # (B, W_prev, width)
+        tokens[:, nodes] = draws[:, parent_slot, rank]
+        q_cond[:, nodes] = probs[:, parent_slot, rank].float()
+        if depth == spec.max_depth:
+            break
+        next_expanded = spec.expanded(depth)
+        hidden_slot = [slot[parents[n]] for n in next_expanded]
+        run_columns += next_expanded
+        mask = anc[next_expanded][:, run_columns].expand(batch, -1, -1)  # (B, W, J + W)
+        level_q, level_hidden = ctx.run_level(
+            level_hidden[:, hidden_slot], tokens[:, next_expanded], depth, tree_start, mask
+        )
+        q_full[:, next_expanded] = level_q
+        expanded = next_expanded
+    depths = torch.tensor(spec.depths, device=device).expand(batch, -1)
+    parents_t = torch.tensor(parents, device=device).expand(batch, -1)
+    return Tree(
+        tokens,
+        parents_t,
+        depths,
+        q_cond,
+        q_full,
+        sampled=not greedy,
+        max_depth=spec.max_depth,
+        max_children=spec.max_children,
+    )
+
+
+def draft_dynamic_tree(
+    ctx: DraftContext,
+    root_token: Tensor,
+    root_q: Tensor,
+    root_hidden: Tensor,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+) -> Tree:
+    """Draft an EAGLE-2 dynamic tree (cascade.md §2.3; peers.md §1.8). Drafts are deterministic (q = 1).
+
+    Level 1 is the top-k of q at the root; each further level expands the top-k frontier nodes by
+    their top-k children, scored by cumulative log q, and keeps the top-k as the next frontier;
+    finally the `total_tokens` best nodes (root included) form the tree. depth - 1 drafter calls.
+    """
+    batch, vocab = root_q.shape
+    device = root_q.device
+    k = top_k
+    if k > vocab:
+        raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
+    log_q = torch.where(root_q > 0, root_q.clamp_min(1e-30).log(), -1e30)  # -1e30 keeps sums finite
+    scores, toks = log_q.topk(k, dim=-1)  # (B, K)
+    cand_tokens, cand_scores = [toks], [scores]
+    cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
+    cand_depths = [torch.ones(batch, k, dtype=torch.long, device=device)]
+    frontier = torch.arange(k, device=device).expand(batch, -1)  # (B, K) candidate ids
+    hidden_slot = torch.zeros(batch, k, dtype=torch.long, device=device)  # parent's slot in prev_hidden
+    prev_hidden = root_hidden[:, None]  # (R, 1, D)
+    anc = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)  # frontier parents' draft-column ancestry
+    q_store = [root_q[:, None]]  # drafter q of each node the drafter ran on: root, then K per level
+    cand_store = torch.full((batch, k), -1, dtype=torch.long, device=device)  # (B, M) slot in q_store or -1
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, -1, -1)
+    tree_start = ctx.cache.length
+    for level in range(1, depth):
+        rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
+        mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
+        q, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
+        anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
+        q_store.append(q)
+        cand_store.scatter_(1, frontier, 1 + (level - 1) * k + torch.arange(k, device=device).expand(batch, -1))
+        child_log_q = torch.where(q > 0, q.clamp_min(1e-30).log(), -1e30)
+        child_scores, child_tokens = child_log_q.topk(k, dim=-1)  # (B, K, K)
+        child_scores = scores[..., None] + child_scores
+        base = cand_store.shape[1]
+        cand_tokens.append(child_tokens.flatten(1))  # (B, K*K)
+        cand_scores.append(child_scores.flatten(1))
+        cand_parents.append(frontier[..., None].expand(-1, -1, k).flatten(1))
+        cand_depths.append(torch.full((batch, k * k), level + 1, dtype=torch.long, device=device))
+        cand_store = torch.cat([cand_store, torch.full((batch, k * k), -1, dtype=torch.long, device=device)], 1)
+        scores, best = child_scores.flatten(1).topk(k, dim=-1)  # (B, K) next frontier, best first
+        toks = child_tokens.flatten(1).gather(1, best)
+        frontier, hidden_slot = base + best, best // k
+    tokens, parents, depths, node_of = select_dynamic_tree(
+        root_token,
+        torch.cat(cand_tokens, 1),
+        torch.cat(cand_scores, 1),
+        torch.cat(cand_parents, 1),
+        torch.cat(cand_depths, 1),
+        total_tokens,
+    )
+    num_nodes = tokens.shape[1]
+    store = torch.cat(q_store, dim=1)  # (B, 1 + (depth-1)K, V)
+    has = (node_of >= 0) & (cand_store >= 0)  # (B, M): kept candidates the drafter ran on
+    gathered = store.gather(1, cand_store.clamp_min(0)[..., None].expand(-1, -1, vocab))  # (B, M, V)
+    q_full = torch.zeros(batch, num_nodes + 1, vocab, device=device)  # last row: dump for the rest
+    q_full.scatter_(1, torch.where(has, node_of, num_nodes)[..., None].expand(-1, -1, vocab), gathered)
+    q_full[:, 0] = root_q
+    q_full = q_full[:, :num_nodes]
+    return Tree(
+        tokens,
+        parents,
+        depths,
+        torch.ones(tokens.shape, device=device),
+        q_full,
+        sampled=False,
+        max_depth=depth,
+        max_children=k,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Stub drafters for tests: no training needed.
+# ----------------------------------------------------------------------------------------------
+
+
+class FixedLogitsDrafter:
+    """Proposes the same logits (V,) everywhere, whatever the context (put them on the decoding device)."""
+
+    feature_source = "hidden"
+
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = logits
+
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        return KVCache.allocate(1, rows, 1, capacity, 1, device=self.logits.device)  # only counts columns
+
+    def prefill(self, conditioning: Conditioning, target_prefix: TargetOutput, cache: KVCache) -> None:
+        cache.advance(conditioning.valid)
+
+    def forward(
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        *,
+        from_target: bool,
+        valid: Tensor | None = None,
+        tree_start: int | None = None,
+        tree_mask: Tensor | None = None,
+    ) -> DraftOutput:
+        rows, length = tokens.shape
+        cache.advance(valid if valid is not None else torch.ones_like(tokens, dtype=torch.bool))
+        logits = self.logits.to(features.device).expand(rows, length, -1)
+        return DraftOutput(logits, torch.zeros(rows, length, 1, device=features.device))
+
+
+class OracleDrafter:
+    """Drafts with the target itself: with scale 1, q equals the target's distribution at every node.
+
+    `scale` multiplies the target logits: -1 proposes the target's least likely tokens first (an
+    always-wrong drafter), other values give an imperfect but informed drafter. With `wrong_every`
+    = m > 0 the logits are negated where the predicted image index i has i % m == m - 1, so greedy
+    drafting is right up to such an index and wrong there. Draft-tree levels are recomputed over
+    all draft columns (the target's forward only masks among new tokens), fine for a test stub.
+    """
+
+    feature_source = "hidden"
+
+    def __init__(self, target: ImageTarget, scale: float = 1.0, wrong_every: int = 0) -> None:
+        self.target = target
+        self.scale = scale
+        self.wrong_every = wrong_every
+        self._draft: tuple[Tensor, Tensor, Tensor] | None = None  # tokens, positions, mask since tree_start
+
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        return self.target.allocate_cache(rows, capacity)
+
+    def prefill(self, conditioning: Conditioning, target_prefix: TargetOutput, cache: KVCache) -> None:
+        self.target.prefill(conditioning, cache)
+
+    def forward(
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        *,
+        from_target: bool,
+        valid: Tensor | None = None,
+        tree_start: int | None = None,
+        tree_mask: Tensor | None = None,
+    ) -> DraftOutput:
+        rows, length = tokens.shape
+        if tree_start is None:
+            start = cache.length
+            out = self.target.forward(tokens, positions, cache)
+            if valid is not None:
+                cache.column_valid[:, start : start + length] = valid
+        else:
+            if cache.length == tree_start:
+                self._draft = None
+            if tree_mask is None:
+                raise ValueError("OracleDrafter needs a tree_mask while drafting a tree")
+            if self._draft is not None:
+                old_tokens, old_positions, old_mask = self._draft  # (R, J), (R, J), (R, J, J)
+                pad = torch.zeros(rows, old_mask.shape[1], length, dtype=torch.bool, device=tokens.device)
+                tokens = torch.cat([old_tokens, tokens], 1)
+                positions = torch.cat([old_positions, positions], 1)
+                tree_mask = torch.cat([torch.cat([old_mask, pad], 2), tree_mask], 1)  # (R, J + T, J + T)
+            self._draft = (tokens, positions, tree_mask)
+            cache.truncate(tree_start)
+            out = self.target.forward(tokens, positions, cache, tree_mask)
+        logits, hidden = out.logits[:, -length:] * self.scale, out.hidden[:, -length:]
+        if self.wrong_every:
+            predicted = positions[:, -length:] - self.target.image_positions(torch.zeros_like(positions[:, :1])) + 1
+            wrong = predicted % self.wrong_every == self.wrong_every - 1  # (R, T)
+            logits = torch.where(wrong[..., None], -logits, logits)
+        return DraftOutput(logits, hidden)

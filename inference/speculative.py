@@ -1,0 +1,300 @@
+"""Tree speculative decoding of image tokens: draft a tree, verify it with one target forward, commit.
+
+    result = generate_speculative(target, drafter, prompts, CascadeRule(), DecoderConfig(tree="static"), generator=g)
+
+After prefilling target and drafter, every step (EAGLE-1/2, peers.md §1.8; cascade.md §2.3-2.4):
+
+1. the drafter reads the pending (target feature, token) pairs of the last accepted path and the bonus token;
+2. it drafts a tree rooted at the last sampled token (static list or dynamic EAGLE-2 tree);
+3. the target runs once over all tree nodes with the tree attention mask;
+4. the rule verifies the tree (`inference.verify`): accepted drafts plus one bonus/correction token;
+5. the accepted path's KV entries are committed in the target cache (the drafter's draft columns are
+   dropped; it re-reads the path with target features at step 1).
+
+CFG rows stay together: drafter and target both run [cond; uncond] rows, and the target's logits
+processing (CFG, temperature, top-k, top-p) is applied to drafter logits too. Batches of B >= 1
+prompts are supported: rows that accept fewer drafts than others pad the committed columns, which
+are marked invalid in `KVCache.column_valid` (and squeezed out by `KVCache.compact` when the cache fills).
+
+tau = mean over steps and prompts of (accepted draft tokens + 1), the +1 being the bonus token each
+target forward also yields (the EAGLE/LANTERN convention).
+
+Shapes: B prompts, R rows (2B with CFG), G image tokens, N tree nodes, P path length, V vocabulary,
+D hidden size, Df drafter feature width.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from inference.drafter import (
+    DraftContext,
+    Drafter,
+    draft_distribution,
+    draft_dynamic_tree,
+    draft_static_tree,
+    to_rows,
+)
+from inference.sampling import filter_logits, guided_logits, sample_tokens, sampling_probabilities
+from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
+from inference.verify import CascadeRule, Rule, TargetView, Uniforms, verify
+from models.kv_cache import KVCache
+from models.target import ImageTarget, SamplingDefaults, TargetOutput
+
+
+@dataclass(kw_only=True)
+class DecoderConfig:
+    """The draft tree of the tree decoder."""
+
+    tree: str = "dynamic"
+    """"static" (EAGLE-1 list, sampled drafts) or "dynamic" (EAGLE-2, deterministic drafts)."""
+    static_tree: str | tuple[tuple[int, ...], ...] = "naive_extend_57"
+    """A static list's name in `inference.tree.STATIC_TREES`, or the child-index paths themselves."""
+    top_k: int = 10
+    """Dynamic tree: children per expanded node and frontier width."""
+    depth: int = 5
+    """Dynamic tree: draft levels (the deepest accepted path has this many drafts)."""
+    total_tokens: int = 60
+    """Dynamic tree: nodes kept, root included."""
+
+    def __post_init__(self) -> None:
+        if self.tree not in ("static", "dynamic"):
+            raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
+        if isinstance(self.static_tree, str) and self.static_tree not in STATIC_TREES:
+            raise ValueError(f"static_tree must be one of {sorted(STATIC_TREES)}, got {self.static_tree!r}")
+        if self.top_k < 1 or self.depth < 1:
+            raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
+        most = 1 + self.top_k + (self.depth - 1) * self.top_k**2
+        if not 2 <= self.total_tokens <= most:
+            raise ValueError(
+                f"total_tokens must be in 2..{most} for top_k={self.top_k}, depth={self.depth}, got {self.total_tokens}"
+            )
+
+    @cached_property
+    def spec(self) -> StaticTreeSpec:
+        paths = STATIC_TREES[self.static_tree] if isinstance(self.static_tree, str) else self.static_tree
+        return StaticTreeSpec(paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes if self.tree == "static" else self.total_tokens
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth if self.tree == "static" else self.depth
+
+
+@dataclass
+class SpeculativeGeneration:
+    """Tokens of B images and what producing them cost."""
+
+    tokens: Tensor  # (B, G) int64
+    tau: float  # mean (accepted draft tokens + 1) per verification forward; the +1 is the bonus token
+    accepted: Tensor  # (steps, B) accepted drafts per step, -1 once a prompt's image was complete
+    target_forwards: int  # prefill (which yields token 0) + one per verification step
+    drafter_forwards: int  # drafter calls, its prefill included
+    tv_charged: float  # CASCADE: mean TV budget spent per verification step (0 for other rules)
+    seconds: float
+
+
+@dataclass
+class _Pending:
+    """(target feature, token) pairs the drafter has yet to read: the accepted path and the bonus token."""
+
+    features: Tensor  # (R, T, Df)
+    tokens: Tensor  # (B, T) the tokens that follow each feature's position
+    index: Tensor  # (B, T) image index of those tokens
+    valid: Tensor  # (B, T) bool
+
+
+def target_features(out: TargetOutput, drafter: Drafter) -> Tensor:
+    """The target output a drafter reads: hidden (EAGLE-1) or the aux streams (EAGLE-3). (R, T, Df)."""
+    if drafter.feature_source == "aux":
+        if out.aux is None:
+            raise ValueError("an EAGLE-3 drafter needs the target's aux streams (forward with return_aux=True)")
+        return out.aux
+    if drafter.feature_source != "hidden":
+        raise ValueError(f"drafter.feature_source must be 'hidden' or 'aux', got {drafter.feature_source!r}")
+    return out.hidden
+
+
+def build_target_view(out: TargetOutput, rule: Rule, settings: SamplingDefaults, cfg: bool, greedy: bool) -> TargetView:
+    """Target distributions at the tree nodes, CFG rows combined. logits (R, N, V) -> probs (B, N, V)."""
+    guided = guided_logits(out.logits, settings, cfg).float()  # (B, N, V)
+    probs = filter_logits(guided, settings).softmax(-1) if greedy else sampling_probabilities(guided, settings)
+    features = None
+    if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
+        representation = {"hidden": out.hidden[: guided.shape[0]], "probs": probs}
+        features = representation.get(rule.representation, filter_logits(guided, settings).nan_to_num(neginf=0.0))
+    return TargetView(probs, guided.argmax(-1) if greedy else None, features)
+
+
+def _ensure_room(cache: KVCache, needed: int, start: int) -> None:
+    """Squeeze out padding columns when the next `needed` columns would not fit (batches only)."""
+    if cache.length + needed > cache.capacity:
+        cache.compact(start)
+
+
+def _draft(
+    ctx: DraftContext,
+    config: DecoderConfig,
+    pending: _Pending,
+    root_token: Tensor,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tree:
+    """Steps 1-2: read the pending pairs, then draft a tree from the root's drafter state."""
+    positions = ctx.target.image_positions(pending.index)
+    out = ctx.drafter.forward(
+        pending.features,
+        to_rows(pending.tokens, ctx.cfg),
+        to_rows(positions, ctx.cfg),
+        ctx.cache,
+        from_target=True,
+        valid=to_rows(pending.valid, ctx.cfg),
+    )
+    last = to_rows(pending.valid.sum(1) - 1, ctx.cfg)  # (R,) the bonus token's element
+    rows = torch.arange(last.shape[0], device=last.device)
+    root_q = draft_distribution(out.logits[rows, last][:, None], ctx.settings, ctx.cfg)[:, 0]  # (B, V)
+    root_hidden = out.hidden[rows, last]  # (R, D)
+    tree_start = ctx.cache.length
+    if config.tree == "static":
+        tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator)
+    else:
+        tree = draft_dynamic_tree(ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens)
+    ctx.cache.truncate(tree_start)  # draft columns are recomputed from target features next step
+    return tree
+
+
+def _commit(
+    tree: Tree,
+    verdict_last: Tensor,
+    num_accepted: Tensor,
+    bonus: Tensor,
+    width: int,
+    cache: KVCache,
+    tree_start: int,
+    feats: Tensor,
+    cfg: bool,
+    root_index: Tensor,
+    live: Tensor,
+    num_tokens: int,
+) -> _Pending:
+    """Step 5: keep the accepted path's target KV entries; return the pairs the drafter reads next."""
+    batch = tree.tokens.shape[0]
+    rows = torch.arange(batch, device=bonus.device)
+    pad = torch.full((batch, 1), -1, dtype=torch.long, device=bonus.device)
+    path = torch.cat([tree.paths[rows, verdict_last], pad], dim=1)[:, : width + 1]  # (B, width + 1)
+    on_path = path[:, :width] >= 0
+    cache.keep_columns(tree_start, to_rows(tree_start + path[:, :width].clamp_min(0), cfg), to_rows(on_path, cfg))
+    step = torch.arange(width, device=bonus.device).expand(batch, -1)  # (B, width)
+    following = tree.tokens.gather(1, path[:, 1:].clamp_min(0))  # token after each path node
+    following = torch.where(step == num_accepted[:, None], bonus[:, None], following)
+    features = feats.gather(1, to_rows(path[:, :width].clamp_min(0), cfg)[..., None].expand(-1, -1, feats.shape[-1]))
+    index = (root_index[:, None] + 1 + step).clamp_max(num_tokens - 1)  # padding may run past the image end
+    return _Pending(features, following, index, on_path & live[:, None])
+
+
+@torch.no_grad()
+def generate_speculative(
+    target: ImageTarget,
+    drafter: Drafter,
+    prompts: list[str],
+    rule: Rule,
+    config: DecoderConfig | None = None,
+    settings: SamplingDefaults | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeGeneration:
+    """Generate one image per prompt with tree speculative decoding.
+
+    Args:
+        target: the model whose distribution is sampled (exactly, for `ExactRule`).
+        drafter: an EAGLE-style drafter (`inference.drafter.Drafter`).
+        prompts: B prompts.
+        rule: the verification rule (`inference.verify`).
+        config: the draft tree; default: dynamic EAGLE-2 tree, top_k 10, depth 5, 60 nodes.
+        settings: sampling settings, default the target's; temperature 0 = greedy.
+        generator: source of all randomness (draws, acceptance tests, bonus tokens).
+    """
+    config, settings = config or DecoderConfig(), settings or target.sampling
+    cfg, greedy = settings.cfg_scale != 1.0, settings.temperature == 0
+    started = time.perf_counter()
+    num_tokens, batch, width_max = target.geometry.num_tokens, len(prompts), config.max_depth + 1
+    conditioning = target.condition(prompts, cfg=cfg)
+    capacity = target.prefix_length + num_tokens + config.num_nodes + num_tokens // 4 + width_max
+    target_cache = target.allocate_cache(conditioning.rows, capacity)
+    drafter_cache = drafter.allocate_cache(conditioning.rows, capacity)
+    use_aux = drafter.feature_source == "aux"
+    prefix = target.prefill(conditioning, target_cache, return_aux=use_aux)
+    drafter.prefill(conditioning, prefix, drafter_cache)
+    first = sample_tokens(guided_logits(prefix.logits[:, -1], settings, cfg), settings, generator)  # (B,) token 0
+    tokens = torch.zeros(batch, num_tokens + width_max, dtype=torch.long, device=first.device)
+    tokens[:, 0] = first
+    count = torch.ones(batch, dtype=torch.long, device=first.device)  # tokens generated so far
+    pending = _Pending(
+        target_features(prefix, drafter)[:, -1:],
+        first[:, None],
+        torch.zeros_like(first)[:, None],
+        torch.ones(batch, 1, dtype=torch.bool, device=first.device),
+    )
+    accepted_log, drafter_forwards, done = [], 1, False
+    charged = torch.zeros((), device=first.device)  # summed on the device: no sync per step
+    while not done:
+        root_index = count - 1
+        live = count < num_tokens
+        _ensure_room(drafter_cache, width_max + config.num_nodes, 0)  # its prefix layout is its own
+        ctx = DraftContext(drafter, drafter_cache, target, settings, cfg, root_index)
+        tree = _draft(ctx, config, pending, tokens.gather(1, root_index[:, None])[:, 0], greedy, generator)
+        drafter_forwards += 1 + ctx.forwards
+        _ensure_room(target_cache, tree.num_nodes, target.prefix_length)
+        tree_start = target_cache.length
+        index = tree_positions(tree.depths, root_index).clamp_max(num_tokens - 1)  # too-deep nodes are never accepted
+        out = target.forward(
+            to_rows(tree.tokens, cfg),
+            to_rows(target.image_positions(index), cfg),
+            target_cache,
+            to_rows(tree.attention_mask, cfg),
+            return_aux=use_aux,
+        )  # step 3
+        view = build_target_view(out, rule, settings, cfg, greedy)
+        max_accept = (num_tokens - count - 1).clamp_min(0)
+        verdict = verify(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
+        num_accepted = torch.where(live, verdict.num_accepted, 0)
+        # Host sync, once per step: the commit width and whether every image is complete.
+        width, least = torch.stack([num_accepted.max() + 1, (count + num_accepted + 1).min()]).tolist()
+        pending = _commit(
+            tree,
+            verdict.last_node,
+            num_accepted,
+            verdict.next_token,
+            width,
+            target_cache,
+            tree_start,
+            target_features(out, drafter),
+            cfg,
+            root_index,
+            live,
+            num_tokens,
+        )  # step 5
+        slots = (count[:, None] + torch.arange(width, device=count.device)).where(pending.valid, tokens.shape[1] - 1)
+        tokens.scatter_(1, slots, pending.tokens)
+        count = torch.where(live, count + num_accepted + 1, count)
+        accepted_log.append(torch.where(live, num_accepted, -1))
+        charged += verdict.tv_charged.mean()
+        done = least >= num_tokens
+    accepted = torch.stack(accepted_log)  # (steps, B)
+    tau = (accepted[accepted >= 0] + 1).float().mean()
+    return SpeculativeGeneration(
+        tokens=tokens[:, :num_tokens],
+        tau=float(tau),
+        accepted=accepted,
+        target_forwards=1 + len(accepted_log),
+        drafter_forwards=drafter_forwards,
+        tv_charged=float(charged) / len(accepted_log),
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,249 @@
+"""Draft trees for tree speculative decoding: static EAGLE-1 lists and dynamic EAGLE-2 trees.
+
+A tree is drafted anew at every verification step (cascade.md §2.3). Node 0 is the root, the last
+sampled token, whose key/value entries are not yet in the target's cache; every other node is a
+draft token. Nodes are stored parents-first: sorted by depth, and within a depth by (parent, rank),
+so the children of a node appear in draw order (static, sampled drafts) or drafter-rank order
+(dynamic, deterministic drafts), which is the order verification tries them in (cascade.md §8).
+
+- Static trees (`StaticTreeSpec`, e.g. `NAIVE_EXTEND_57`) fix the shape: a node is the c-th child of
+  its parent, and it receives the parent's c-th draw from the drafter distribution q.
+- Dynamic trees (EAGLE-2) grow the top-k frontier by cumulative log q and keep the best
+  `total_tokens` nodes; their shape differs per row. `select_dynamic_tree` is the pure selection step.
+
+Everything here is a pure tensor function over a batch of trees, vectorised per depth.
+
+Shapes: B prompts (one tree per prompt; the CFG rows share it), N tree nodes (root included),
+V vocabulary, K top-k / children per node, M dynamic-tree candidates, P path length (max depth + 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+# LANTERN's default static tree (jadohu/LANTERN models/drafters/choices.py; cascade.md §2.3): 57 draft
+# nodes, depth 5, level sizes 5/13/16/14/9. A path [c1, c2, ...] is the c2-th child of the c1-th child.
+NAIVE_EXTEND_57: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (4,),
+    (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 1, 0), (0, 1, 1), (0, 1, 2), (0, 2, 0), (0, 2, 1),
+    (0, 2, 2), (0, 3, 0), (0, 3, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 3), (0, 0, 1, 0), (0, 0, 1, 1), (0, 0, 1, 2),
+    (0, 0, 2, 0), (0, 0, 2, 1), (0, 0, 3, 0), (0, 1, 0, 0), (0, 1, 0, 1), (0, 1, 1, 0), (0, 2, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 2), (0, 0, 0, 1, 0), (0, 0, 0, 1, 1), (0, 0, 1, 0, 0),
+    (0, 0, 1, 0, 1), (0, 0, 1, 1, 0), (0, 0, 2, 0, 0),
+)  # fmt: skip
+# EAGLE's smaller 25-node tree (depth 5), also tried in LANTERN.
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)  # fmt: skip
+STATIC_TREES = {"naive_extend_57": NAIVE_EXTEND_57, "mc_sim_7b_63": MC_SIM_7B_63}
+
+
+@dataclass
+class Tree:
+    """A batch of drafted trees, one per prompt, ready for the target forward and verification."""
+
+    tokens: Tensor  # (B, N) int64; tokens[:, 0] is the root (the last sampled token)
+    parents: Tensor  # (B, N) int64; parents[:, 0] = -1; parents[b, n] < n
+    depths: Tensor  # (B, N) int64; 0 for the root
+    q_cond: Tensor  # (B, N) float: conditional draw probability of each node (static, sampled); 1 otherwise
+    q_full: Tensor  # (B, N, V) float: drafter distribution at each node over its children (0 where not drafted)
+    sampled: bool  # True: drafts were sampled without replacement (static tree, sampling mode)
+    max_depth: int  # deepest level any row may have
+    max_children: int  # widest fan-out
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @cached_property
+    def attention_mask(self) -> Tensor:
+        """(B, N, N) bool: node n attends to node m iff m is n or one of its ancestors."""
+        return ancestor_mask(self.parents, self.max_depth)
+
+    @cached_property
+    def children(self) -> Tensor:
+        """(B, N, K) int64 children of every node in order, -1 padded."""
+        return children_table(self.parents, self.max_children)
+
+    @cached_property
+    def paths(self) -> Tensor:
+        """(B, N, P) int64: the root-to-node path of every node (index d = ancestor at depth d), -1 padded."""
+        return node_paths(self.parents, self.depths, self.max_depth)
+
+
+@dataclass(frozen=True)
+class StaticTreeSpec:
+    """The fixed shape of a static (EAGLE-1) tree, from a list of child-index paths."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        known: set[tuple[int, ...]] = {()}
+        for path in sorted(self.paths, key=len):
+            if not path or path[:-1] not in known or min(path) < 0:
+                raise ValueError(f"tree path {path} is empty, negative or lacks its parent path {path[:-1]}")
+            known.add(path)
+        if len(known) != len(self.paths) + 1:
+            raise ValueError("tree paths must be distinct")
+
+    @cached_property
+    def order(self) -> list[tuple[int, ...]]:
+        """Node paths parents-first: by depth, then lexicographically (so siblings are in rank order)."""
+        return [()] + sorted(self.paths, key=lambda path: (len(path), path))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @cached_property
+    def parents(self) -> list[int]:
+        index = {path: n for n, path in enumerate(self.order)}
+        return [-1] + [index[path[:-1]] for path in self.order[1:]]
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """Which draw of its parent each node takes (0 for the root)."""
+        return [0] + [path[-1] for path in self.order[1:]]
+
+    @property
+    def depths(self) -> list[int]:
+        return [len(path) for path in self.order]
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def max_children(self) -> int:
+        return max(self.ranks) + 1
+
+    def level(self, depth: int) -> list[int]:
+        """Node indices at `depth`, in order."""
+        return [n for n, d in enumerate(self.depths) if d == depth]
+
+    def expanded(self, depth: int) -> list[int]:
+        """Nodes at `depth` that have children: the ones the drafter must run on."""
+        has_children = set(self.parents[1:])
+        return [n for n in self.level(depth) if n in has_children]
+
+
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
+    """Ancestor-or-self mask, the tree attention mask. (B, N) parents -> (B, N, N) bool.
+
+    One gather per level (max_depth iterations), no host sync.
+    """
+    batch, num_nodes = parents.shape
+    mask = torch.eye(num_nodes, dtype=torch.bool, device=parents.device).expand(batch, -1, -1).clone()
+    current = parents
+    for _ in range(max_depth):
+        has = current >= 0  # (B, N)
+        mask |= torch.nn.functional.one_hot(current.clamp_min(0), num_nodes).bool() & has[..., None]
+        current = torch.where(has, parents.gather(1, current.clamp_min(0)), current)
+    return mask
+
+
+def children_table(parents: Tensor, max_children: int) -> Tensor:
+    """Children of each node in node order. (B, N) parents -> (B, N, K) int64, -1 padded."""
+    batch, num_nodes = parents.shape
+    earlier = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=parents.device).tril(-1)  # m < n
+    same_parent = parents[:, :, None] == parents[:, None, :]  # (B, N, N)
+    rank = (same_parent & earlier).sum(-1)  # (B, N): how many earlier siblings
+    table = torch.full((batch, num_nodes + 1, max_children + 1), -1, dtype=torch.long, device=parents.device)
+    row = torch.where(parents >= 0, parents, num_nodes)  # the root goes to a dump row
+    nodes = torch.arange(num_nodes, device=parents.device).expand(batch, -1)
+    table[torch.arange(batch, device=parents.device)[:, None], row, rank.clamp_max(max_children)] = nodes
+    return table[:, :num_nodes, :max_children]
+
+
+def node_paths(parents: Tensor, depths: Tensor, max_depth: int) -> Tensor:
+    """Root-to-node paths. (B, N) -> (B, N, P = max_depth + 1) int64; path[b, n, d] = ancestor at depth d, -1 after."""
+    batch, num_nodes = parents.shape
+    paths = torch.full((batch, num_nodes, max_depth + 1), -1, dtype=torch.long, device=parents.device)
+    current = torch.arange(num_nodes, device=parents.device).expand(batch, -1).clone()  # (B, N)
+    for _ in range(max_depth + 1):
+        valid = current >= 0
+        depth = depths.gather(1, current.clamp_min(0))
+        paths.scatter_(2, torch.where(valid, depth, max_depth)[..., None], torch.where(valid, current, -1)[..., None])
+        current = torch.where(valid, parents.gather(1, current.clamp_min(0)), current)
+    return paths
+
+
+def leaf_paths(tree: Tree) -> tuple[Tensor, Tensor]:
+    """EAGLE's `retrieve_indices`: (B, N, P) root-to-node paths and (B, N) bool marking the leaves."""
+    is_leaf = tree.children[..., 0] < 0
+    return tree.paths, is_leaf
+
+
+def tree_positions(depths: Tensor, root_index: Tensor) -> Tensor:
+    """Image-token index of every node: the root's index plus the depth. (B, N), (B,) -> (B, N)."""
+    return root_index[:, None] + depths
+
+
+def gumbel_topk(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
+
+    Args:
+        q: (..., V) probabilities.
+    Returns:
+        tokens (..., k) int64 and their conditional draw probabilities
+        q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
+        Tokens with q = 0 come last and get probability 0.
+    """
+    uniform = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1 - 1e-7)))
+    keys = torch.where(q > 0, q.float().clamp_min(1e-30).log() + gumbel, float("-inf"))
+    tokens = keys.topk(k, dim=-1).indices  # (..., k)
+    return tokens, conditional_draw_probs(q, tokens)
+
+
+def conditional_draw_probs(q: Tensor, tokens: Tensor) -> Tensor:
+    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order. q (..., V), tokens (..., k) -> (..., k)."""
+    picked = q.gather(-1, tokens).float()
+    before = picked.cumsum(-1) - picked
+    return (picked / (1 - before).clamp_min(1e-12)).clamp(0, 1)
+
+
+def select_dynamic_tree(
+    root_token: Tensor,
+    cand_tokens: Tensor,
+    cand_scores: Tensor,
+    cand_parents: Tensor,
+    cand_depths: Tensor,
+    num_nodes: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """EAGLE-2's final step: keep the root and the num_nodes - 1 best-scoring candidates (cascade.md §2.3).
+
+    Candidates are listed level by level, each level ordered by (parent, rank), so a parent always
+    precedes its children. Scores are cumulative log q and never increase along a path; a stable
+    descending sort therefore keeps every kept node's parent (ties go to the earlier, shallower
+    candidate), and sorting the kept ids restores the parents-first order.
+
+    Args:
+        root_token: (B,). cand_tokens, cand_scores, cand_parents, cand_depths: (B, M); cand_parents
+            index candidates, -1 for children of the root.
+    Returns:
+        tokens, parents, depths (B, N) and node_of_candidate (B, M) int64 (-1 where not kept).
+    """
+    batch, num_candidates = cand_tokens.shape
+    if not 1 <= num_nodes - 1 <= num_candidates:
+        raise ValueError(f"total_tokens={num_nodes} needs 2..{num_candidates + 1} nodes (root included)")
+    scores = cand_scores.float().nan_to_num(neginf=-1e30)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : num_nodes - 1]  # (B, N-1)
+    kept = order.sort(dim=-1).values  # (B, N-1) parents-first
+    device = cand_tokens.device
+    node_of = torch.full((batch, num_candidates + 1), -1, dtype=torch.long, device=device)
+    node_of[:, :num_candidates].scatter_(1, kept, torch.arange(1, num_nodes, device=device).expand(batch, -1))
+    parent_cand = cand_parents.gather(1, kept)  # (B, N-1)
+    parent_node = torch.where(parent_cand >= 0, node_of.gather(1, parent_cand.clamp_min(0)), 0)
+    tokens = torch.cat([root_token[:, None], cand_tokens.gather(1, kept)], dim=1)
+    parents = torch.cat([torch.full_like(root_token[:, None], -1), parent_node], dim=1)
+    depths = torch.cat([torch.zeros_like(root_token[:, None]), cand_depths.gather(1, kept)], dim=1)
+    return tokens, parents, depths, node_of[:, :num_candidates]

@@ -1,0 +1,245 @@
+"""The speculative generation loop on tiny random targets with stub drafters.
+
+Greedy decoding must reproduce greedy AR token for token; with the `exact` rule sampling must
+reproduce AR's token distribution (a two-sample chi-square test); stub drafters pin down tau.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import build_tiny_toy_target
+
+from inference.drafter import FixedLogitsDrafter, OracleDrafter, build_draft_attention_mask
+from inference.generate import generate_ar
+from inference.speculative import DecoderConfig, generate_speculative
+from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
+from inference.verify import CascadeRule, ExactRule, GSDRule, LanternRule, build_latent_neighbours
+from models.kv_cache import KVCache
+
+PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
+DYNAMIC = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)
+STATIC = DecoderConfig(tree="static")  # naive_extend_57
+
+
+def greedy(target):
+    return dataclasses.replace(target.sampling, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "config, make_drafter",
+    [
+        (STATIC, lambda t: OracleDrafter(t)),
+        (STATIC, lambda t: OracleDrafter(t, wrong_every=3)),
+        (DYNAMIC, lambda t: OracleDrafter(t, scale=0.3)),
+        (DYNAMIC, lambda t: FixedLogitsDrafter(torch.randn(64, generator=torch.Generator().manual_seed(0)))),
+    ],
+    ids=["static-oracle", "static-partial", "dynamic-blurred", "dynamic-fixed"],
+)
+def test_greedy_speculative_output_equals_greedy_ar(tiny_target, config, make_drafter):
+    settings = greedy(tiny_target)
+    expected = generate_ar(tiny_target, PROMPTS, settings).tokens
+    result = generate_speculative(tiny_target, make_drafter(tiny_target), PROMPTS, ExactRule(), config, settings)
+    assert torch.equal(result.tokens, expected)
+    assert result.target_forwards == 1 + result.accepted.shape[0]
+
+
+def test_greedy_speculative_output_equals_greedy_ar_without_guidance(tiny_target):
+    settings = dataclasses.replace(greedy(tiny_target), cfg_scale=1.0)  # B rows only, no unconditional half
+    expected = generate_ar(tiny_target, PROMPTS, settings).tokens
+    result = generate_speculative(
+        tiny_target, OracleDrafter(tiny_target, scale=0.3), PROMPTS, ExactRule(), DYNAMIC, settings
+    )
+    assert torch.equal(result.tokens, expected)
+
+
+def test_oracle_drafter_is_fully_accepted_and_tau_is_depth_plus_one(tiny_target):
+    result = generate_speculative(
+        tiny_target, OracleDrafter(tiny_target), PROMPTS[:1], ExactRule(), STATIC, greedy(tiny_target)
+    )
+    # 16 tokens: token 0 from the prefill, then 6 + 6 per step, then the 3 left (2 drafts + bonus).
+    assert result.accepted[:, 0].tolist() == [5, 5, 2]
+    assert result.target_forwards == 4
+    assert result.tau == pytest.approx((6 + 6 + 3) / 3)
+
+
+def test_always_wrong_drafter_gives_tau_one(tiny_target):
+    result = generate_speculative(
+        tiny_target, OracleDrafter(tiny_target, scale=-1.0), PROMPTS, ExactRule(), DYNAMIC, greedy(tiny_target)
+    )
+    assert result.tau == 1.0 and (result.accepted == 0).all()
+    assert result.target_forwards == tiny_target.geometry.num_tokens  # as many as AR
+
+
+def test_partly_right_drafter_accepts_up_to_its_first_wrong_level(tiny_target):
+    result = generate_speculative(
+        tiny_target, OracleDrafter(tiny_target, wrong_every=3), PROMPTS[:1], ExactRule(), STATIC, greedy(tiny_target)
+    )
+    count, expected = 1, []
+    while count < 16:  # the drafter is wrong about image indices 2, 5, 8, ...
+        first_wrong = next(i for i in range(count, 64) if i % 3 == 2)
+        accepted = min(first_wrong - count, 5, 16 - count - 1)
+        expected.append(accepted)
+        count += accepted + 1
+    assert result.accepted[:, 0].tolist() == expected
+    assert 1 < result.tau < 6
+
+
+def chi_square_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square homogeneity test of equal-size samples of category ids; sparse cells pooled."""
+    size = int(max(a.max(), b.max())) + 1
+    ca, cb = torch.bincount(a, minlength=size).double(), torch.bincount(b, minlength=size).double()
+    sparse = (ca + cb) < 10
+    ca = torch.cat([ca[~sparse], ca[sparse].sum()[None]])
+    cb = torch.cat([cb[~sparse], cb[sparse].sum()[None]])
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    statistic = ((ca - cb) ** 2 / (ca + cb)).sum()
+    dof = torch.tensor(float(len(ca) - 1))
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+@pytest.fixture(scope="module")
+def lossless_case():
+    """A target with 6 codes and 4 tokens per image, and 1200 plain AR samples from it."""
+    torch.set_num_threads(1)
+    target = build_tiny_toy_target(seed=3, grid=2, vocab=6)
+    prompts = [PROMPTS[0]] * 1200  # one batch: rows accept different numbers of drafts
+    return target, prompts, generate_ar(target, prompts, generator=torch.Generator().manual_seed(1)).tokens
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecoderConfig(tree="static", static_tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+        DecoderConfig(tree="dynamic", top_k=3, depth=3, total_tokens=10),
+    ],
+    ids=["static", "dynamic"],
+)
+def test_exact_rule_samples_the_ar_distribution(config, lossless_case):
+    target, prompts, ar = lossless_case
+    drafter = FixedLogitsDrafter(torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, 0.8]))  # context-blind, often wrong
+    spec = generate_speculative(
+        target, drafter, prompts, ExactRule(), config, generator=torch.Generator().manual_seed(2)
+    )
+    assert 1.0 < spec.tau  # some drafts were accepted, some rejected
+    assert (spec.accepted >= 0).any() and (spec.accepted == 0).any()
+    for i in range(3):  # joint distribution of consecutive token pairs
+        p_value = chi_square_p_value(ar[:, i] * 6 + ar[:, i + 1], spec.tokens[:, i] * 6 + spec.tokens[:, i + 1])
+        assert p_value > 1e-3, f"tokens {i}, {i + 1}: p = {p_value:.2g}"
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_target):
+    rule = CascadeRule(tau_pos=0.5, tau_seq=0.3)
+    runs = [
+        generate_speculative(
+            tiny_target,
+            OracleDrafter(tiny_target, scale=0.5),
+            PROMPTS,
+            rule,
+            STATIC,
+            generator=torch.Generator().manual_seed(7),
+        ).tokens
+        for _ in range(2)
+    ]
+    assert torch.equal(*runs)
+
+
+def test_every_rule_decodes_both_tree_kinds(tiny_target):
+    neighbours = build_latent_neighbours(tiny_target.vq.codebook, 20)
+    rules = [
+        LanternRule(neighbours=neighbours, k=10, delta=0.2),
+        LanternRule(neighbours=neighbours, k=10, lam=3.0),
+        GSDRule(group=8),
+        CascadeRule(tau_pos=0.5, tau_seq=0.3, delta=0.3),
+    ]
+    for config in (DYNAMIC, DecoderConfig(tree="static", static_tree="mc_sim_7b_63")):
+        for rule in rules:
+            result = generate_speculative(
+                tiny_target,
+                OracleDrafter(tiny_target, scale=0.5),
+                PROMPTS[:1],
+                rule,
+                config,
+                generator=torch.Generator().manual_seed(0),
+            )
+            assert result.tokens.shape == (1, 16) and 0 <= result.tokens.min() and result.tokens.max() < 64
+            assert result.tau >= 1.0 and result.tv_charged <= 0.3 + 1e-6
+
+
+def test_decoding_after_a_kv_commit_equals_a_fresh_forward(tiny_target):
+    """Commit different-length paths per row (padding marked invalid), then compact: logits match a fresh cache."""
+    target, spec = tiny_target, StaticTreeSpec(MC_SIM_7B_63)
+    conditioning = target.condition(PROMPTS, cfg=True)
+    cache = target.allocate_cache(conditioning.rows, target.prefix_length + 64)
+    target.prefill(conditioning, cache)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, spec.num_nodes), generator=g)
+    parents = torch.tensor(spec.parents).expand(2, -1)
+    depths = torch.tensor(spec.depths).expand(2, -1)
+    from inference.tree import ancestor_mask
+
+    mask = ancestor_mask(parents, spec.max_depth)
+    start = cache.length
+    target.forward(
+        torch.cat([tokens, tokens]), target.image_positions(torch.cat([depths, depths])), cache, torch.cat([mask, mask])
+    )
+    last = torch.tensor([23, 5])  # a depth-5 node for prompt 0, a depth-2 node for prompt 1
+    paths = node_paths(parents, depths, spec.max_depth)[torch.arange(2), last]  # (B, P)
+    valid = paths >= 0
+    cache.keep_columns(start, torch.cat([start + paths.clamp_min(0)] * 2), torch.cat([valid, valid]))
+    next_tokens = torch.tensor([[7], [9]])
+    lengths = valid.sum(1)  # tokens on each committed path
+    for step in range(2):
+        index = (lengths + step)[:, None]  # (B, 1) image index of the next token, per prompt
+        got = target.forward(torch.cat([next_tokens] * 2), target.image_positions(torch.cat([index, index])), cache)
+        for b in range(2):
+            fresh_cond = target.condition([PROMPTS[b]], cfg=True)
+            fresh = target.allocate_cache(2, target.prefix_length + 16)
+            target.prefill(fresh_cond, fresh)
+            sequence = torch.cat([tokens[b, paths[b, : lengths[b]]], next_tokens[b].repeat(step + 1)])[None]
+            positions = target.image_positions(torch.arange(sequence.shape[1]))
+            want = target.forward(sequence.repeat(2, 1), positions, fresh).logits[:, -1]  # (2, V)
+            torch.testing.assert_close(got.logits[[b, b + 2], -1], want, atol=1e-4, rtol=1e-4)
+        cache.compact(target.prefix_length)  # squeeze the padding out: nothing may change
+
+
+def test_decoder_config_rejects_bad_trees():
+    with pytest.raises(ValueError, match="tree must be"):
+        DecoderConfig(tree="chain")
+    with pytest.raises(ValueError, match="total_tokens"):
+        DecoderConfig(tree="dynamic", top_k=2, depth=2, total_tokens=50)
+
+
+class _AuxDrafter(FixedLogitsDrafter):
+    """An EAGLE-3-style stub: reads the target's low/mid/high streams and records their width."""
+
+    feature_source = "aux"
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__(logits)
+        self.widths: list[int] = []
+
+    def forward(self, features, tokens, positions, cache, *, from_target, **kwargs):
+        if from_target:
+            self.widths.append(features.shape[-1])
+        return super().forward(features, tokens, positions, cache, from_target=from_target, **kwargs)
+
+
+def test_eagle3_style_drafters_read_the_aux_streams(tiny_target):
+    drafter = _AuxDrafter(torch.zeros(64))
+    result = generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), DYNAMIC, greedy(tiny_target))
+    assert set(drafter.widths) == {3 * tiny_target.hidden_size}
+    assert torch.equal(result.tokens, generate_ar(tiny_target, PROMPTS, greedy(tiny_target)).tokens)
+
+
+def test_draft_attention_mask_combines_context_validity_and_the_tree():
+    cache = KVCache.allocate(1, 1, 1, 10, 1)
+    cache.advance(torch.tensor([[True, False, True]]))  # committed context, one padded column
+    cache.advance(torch.tensor([[True, True]]))  # two draft columns of an earlier tree level
+    tree_mask = torch.tensor([[[True, False, False, False], [False, True, False, False]]])  # (1, T=2, J+T=4)
+    mask = build_draft_attention_mask(cache, torch.ones(1, 2, dtype=torch.bool), tree_start=3, tree_mask=tree_mask)
+    expected = torch.tensor([[[1, 0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 1, 0, 1]]], dtype=torch.bool)
+    assert torch.equal(mask, expected)

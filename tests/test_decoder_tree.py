@@ -1,0 +1,122 @@
+"""Draft-tree structure: static lists, masks, children, paths, dynamic selection, sampling without replacement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.tree import (
+    MC_SIM_7B_63,
+    NAIVE_EXTEND_57,
+    StaticTreeSpec,
+    Tree,
+    ancestor_mask,
+    children_table,
+    gumbel_topk,
+    leaf_paths,
+    node_paths,
+    select_dynamic_tree,
+)
+
+
+def random_parents(batch: int, num_nodes: int, seed: int) -> torch.Tensor:
+    """Random trees stored parents-first: parent[n] < n (not depth-sorted, which the helpers must not need)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [
+        torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, num_nodes)])
+        for _ in range(batch)
+    ]
+    return torch.stack(parents)
+
+
+def depths_of(parents: torch.Tensor) -> torch.Tensor:
+    depths = torch.zeros_like(parents)
+    for b in range(parents.shape[0]):
+        for n in range(1, parents.shape[1]):
+            depths[b, n] = depths[b, parents[b, n]] + 1
+    return depths
+
+
+def test_naive_extend_57_has_lanterns_level_sizes():
+    spec = StaticTreeSpec(NAIVE_EXTEND_57)
+    assert spec.num_nodes == 58 and spec.max_depth == 5 and spec.max_children == 5
+    assert [len(spec.level(d)) for d in range(6)] == [1, 5, 13, 16, 14, 9]
+    assert StaticTreeSpec(MC_SIM_7B_63).num_nodes == 26
+    assert all(spec.parents[n] < n for n in range(1, spec.num_nodes))
+
+
+def test_static_spec_rejects_paths_without_parents():
+    with pytest.raises(ValueError, match="lacks its parent"):
+        StaticTreeSpec(((0,), (1, 0)))
+
+
+def test_ancestor_mask_children_and_paths_match_a_per_node_walk():
+    parents = random_parents(3, 12, seed=0)
+    depths = depths_of(parents)
+    max_depth = int(depths.max())
+    mask = ancestor_mask(parents, max_depth)
+    children = children_table(parents, max_children=12)
+    paths = node_paths(parents, depths, max_depth)
+    for b in range(3):
+        for n in range(12):
+            chain, m = [], n
+            while m >= 0:
+                chain.append(m)
+                m = int(parents[b, m])
+            assert set(torch.nonzero(mask[b, n]).flatten().tolist()) == set(chain)
+            assert paths[b, n, : len(chain)].tolist() == chain[::-1]
+            assert (paths[b, n, len(chain) :] == -1).all()
+            kids = [m for m in range(12) if parents[b, m] == n]
+            assert children[b, n, : len(kids)].tolist() == kids and (children[b, n, len(kids) :] == -1).all()
+
+
+def test_leaf_paths_are_eagles_retrieve_indices():
+    spec = StaticTreeSpec(NAIVE_EXTEND_57)
+    parents = torch.tensor(spec.parents)[None]
+    depths = torch.tensor(spec.depths)[None]
+    tree = Tree(parents.clamp_min(0), parents, depths, torch.ones(1, 58), torch.zeros(1, 58, 2), False, 5, 5)
+    paths, is_leaf = leaf_paths(tree)
+    assert int(is_leaf.sum()) == 58 - len(set(spec.parents[1:]))
+    assert (paths[is_leaf][:, 0] == 0).all()  # every root-to-leaf path starts at the root
+
+
+def test_dynamic_selection_keeps_ancestors_and_orders_parents_first():
+    g = torch.Generator().manual_seed(1)
+    batch, k = 4, 3
+    # Candidates of a 3-level expansion: level 1 (k), level 2 (k*k children of level 1), level 3 (k*k of 3 level-2).
+    level1 = torch.rand(batch, k, generator=g).log()
+    level2 = level1.repeat_interleave(k, 1) + torch.rand(batch, k * k, generator=g).log()
+    frontier = level2.topk(k, dim=1).indices  # ids within level 2
+    level3 = level2.gather(1, frontier).repeat_interleave(k, 1) + torch.rand(batch, k * k, generator=g).log()
+    scores = torch.cat([level1, level2, level3], 1)
+    parents = torch.cat(
+        [
+            torch.full((batch, k), -1),
+            torch.arange(k).repeat_interleave(k).expand(batch, -1),
+            (k + frontier).repeat_interleave(k, 1),
+        ],
+        1,
+    )
+    depths = torch.cat([torch.ones(batch, k), 2 * torch.ones(batch, k * k), 3 * torch.ones(batch, k * k)], 1).long()
+    tokens = torch.randint(0, 50, scores.shape, generator=g)
+    tok, par, dep, node_of = select_dynamic_tree(
+        torch.zeros(batch, dtype=torch.long), tokens, scores, parents, depths, num_nodes=9
+    )
+    assert tok.shape == (batch, 9) and (par[:, 0] == -1).all()
+    assert (par[:, 1:] < torch.arange(1, 9)).all() and (par[:, 1:] >= 0).all()  # parents first, none lost
+    assert (dep[:, 1:] == dep.gather(1, par[:, 1:]) + 1).all()
+    best = scores.topk(8, dim=1).values.min(1).values  # the kept candidates are the 8 best
+    kept_scores = torch.where(node_of >= 0, scores, float("inf")).min(1).values
+    assert torch.allclose(kept_scores, best)
+
+
+def test_gumbel_topk_draws_distinct_tokens_with_conditional_probabilities():
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0]).expand(4000, -1)
+    tokens, probs = gumbel_topk(q, 3, torch.Generator().manual_seed(0))  # 4000 independent draws of 3
+    assert (tokens[:, 0] != tokens[:, 1]).all() and (tokens[:, 1] != tokens[:, 2]).all()
+    assert (tokens[:, 0] != tokens[:, 2]).all()
+    assert torch.allclose(torch.bincount(tokens[:, 0], minlength=4) / 4000, q[0], atol=0.03)  # first draw ~ q
+    second = q.gather(1, tokens[:, 1:2])[:, 0] / (1 - q.gather(1, tokens[:, :1])[:, 0])
+    assert torch.allclose(probs[:, 1], second)
+    tokens, probs = gumbel_topk(q[:1], 4, None)
+    assert tokens[0, 3] == 3 and probs[0, 3] == 0  # zero-probability tokens come last, never accepted
