@@ -1,0 +1,454 @@
+"""Feature extraction: run a target over a prompt set and record what a drafter learns from.
+
+    python data/extract.py --config configs/extract_toy.yaml                 # or: python -m data.extract ...
+    python data/extract.py --config configs/extract_toy.yaml out_dir=shards/toy batch_size=32
+    torchrun --nproc_per_node 4 data/extract.py --config configs/extract_toy.yaml
+    python -m data.extract --merge shards/toy        # write manifest.json if the last rank could not
+    python -m data.extract --validate shards/toy     # re-read every shard: sha256, shapes, dtypes, NaN/Inf, counts
+
+Per sample: the target samples an image with its own sampling settings and CFG (`generate_ar`),
+then one teacher-forced pass over the [cond; uncond] rows (prefill + forward over tokens 0..G-2)
+records, for every image token j, the last-layer post-norm hidden state that predicts it (and on
+request the EAGLE-3 auxiliary streams and the unconditional row's state). See data/shards.py for
+the shard layout.
+
+Determinism and resumption. Global sample s uses prompt s // samples_per_prompt. Shard i holds
+samples [i S, (i + 1) S) and is cut into batches of `batch_size` consecutive samples; the batch
+starting at sample b is sampled with a torch.Generator seeded by `derive_seed(seed, b)`. A batched
+multinomial draws from one generator, so per-sample generators are not possible; fixing the batch
+composition by global index instead makes every sample a function of (config, s) alone, whatever
+the number of ranks and wherever a run was interrupted. A shard is written to `<name>.partial`
+and renamed when complete; a rerun skips finished shards and never rewrites them.
+
+Ranks (torchrun's RANK / WORLD_SIZE; no process group needed): rank r writes shards i = r mod W.
+Shard names depend only on i, so a job may be resumed with a different number of ranks. Each
+finished shard leaves a sidecar (`.extract/shard-NNNNNN.json`: count, sha256); whichever rank
+finds every shard done writes `manifest.json` (identical content, atomic), and `--merge` does the
+same by hand.
+
+Shapes: B prompts in a batch, R rows (2B with CFG), G image tokens, D hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+from tqdm import tqdm
+
+from data.prompts import Prompt, PromptSetConfig, load_prompts
+from data.shards import (
+    FieldSpec,
+    Manifest,
+    ShardInfo,
+    ShardWriter,
+    TargetIdentity,
+    iter_raw_samples,
+    sample_key,
+    shard_name,
+    validate_dataset,
+    write_atomic,
+)
+from inference.generate import generate_ar
+from models.registry import load_target
+from models.target import ImageTarget, SamplingDefaults
+
+WORK_DIR = ".extract"
+"""Sub-folder of the output holding the job description and one sidecar per finished shard."""
+FEATURE_DTYPES = ("float16", "float32")
+
+
+@dataclass(kw_only=True)
+class ExtractConfig:
+    """One extraction job."""
+
+    target: str = "toy"
+    """Target name for `models.registry.load_target`."""
+    out_dir: str
+    """Dataset folder: shards, manifest.json and the .extract/ work folder."""
+    prompts: PromptSetConfig = field(default_factory=lambda: PromptSetConfig(source="toy", count=256))
+    """The prompt set."""
+    samples_per_prompt: int = 1
+    """Images generated per prompt."""
+    samples_per_shard: int = 64
+    """Samples per shard (the last shard may hold fewer)."""
+    batch_size: int = 16
+    """Prompts per generate_ar call; part of the seeding rule, so changing it changes the samples."""
+    seed: int = 0
+    """Base seed; each batch's generator is seeded by derive_seed(seed, first sample index)."""
+    store_aux: bool = True
+    """Record the EAGLE-3 auxiliary streams (L, 3D)."""
+    store_uncond: bool = False
+    """Record the unconditional row's features (L, D); needs CFG."""
+    feature_dtype: str = "float16"
+    """float16 or float32 (numpy's .npy has no bfloat16)."""
+    cfg_scale: float | None = None
+    """Sampling overrides; None keeps the target's default."""
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    num_threads: int | None = None
+    """torch CPU threads; None leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_prompt", "samples_per_shard", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype={self.feature_dtype!r}; use one of {', '.join(FEATURE_DTYPES)}")
+
+    def sampling_settings(self, target: ImageTarget) -> SamplingDefaults:
+        overrides = {k: getattr(self, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
+        return dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExtractConfig:
+    """Defaults < YAML file < `key=value` overrides (`prompts.count=8`); unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    for item in overrides:
+        key, equals, text = item.partition("=")
+        if not equals:
+            raise ValueError(f"override {item!r} is not key=value (e.g. batch_size=8 or prompts.count=16)")
+        *parents, leaf = key.split(".")
+        node = values
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = yaml.safe_load(text)
+    prompts = values.pop("prompts", None)
+    _check_keys(ExtractConfig, values, str(path or "config"))
+    if prompts is not None:
+        _check_keys(PromptSetConfig, prompts, f"{path or 'config'}: prompts")
+        values["prompts"] = PromptSetConfig(**prompts)
+    if "out_dir" not in values:
+        raise ValueError(f"{path or 'config'}: out_dir is required (the dataset folder to write)")
+    return ExtractConfig(**values)
+
+
+def _check_keys(cls: type, values: dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+
+
+def derive_seed(base_seed: int, index: int) -> int:
+    """A 63-bit seed fixed by (base seed, sample index), well mixed so neighbouring batches are unrelated."""
+    return int(np.random.SeedSequence([base_seed, index]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+@torch.no_grad()
+def extract_batch(
+    target: ImageTarget,
+    prompts: list[str],
+    settings: SamplingDefaults,
+    generator: torch.Generator,
+    store_aux: bool = True,
+    store_uncond: bool = False,
+) -> dict[str, Tensor]:
+    """Sample one image per prompt, then record the features that predicted each of its tokens.
+
+    Returns:
+        tokens (B, G) int64, hidden (B, G, D) and optionally aux (B, G, 3D) and uncond_hidden (B, G, D),
+        in the target's dtype. Row j predicts token j: image_head(hidden[:, j]) gives its conditional logits.
+    """
+    cfg = settings.cfg_scale != 1.0
+    if store_uncond and not cfg:
+        raise ValueError("store_uncond needs CFG, but cfg_scale is 1.0; set cfg_scale or store_uncond: false")
+    tokens = generate_ar(target, prompts, settings, generator).tokens  # (B, G)
+    num_prompts, num_tokens = tokens.shape
+    conditioning = target.condition(prompts, cfg=cfg)
+    cache = target.allocate_cache(conditioning.rows, target.prefix_length + num_tokens)
+    first = target.prefill(conditioning, cache, return_aux=store_aux)  # its last slot predicts token 0
+    hidden = [first.hidden[:, -1:]]  # (R, 1, D)
+    aux = [first.aux[:, -1:]] if store_aux and first.aux is not None else []  # (R, 1, 3D)
+    if num_tokens > 1:
+        rows = tokens[:, :-1].repeat(2 if cfg else 1, 1)  # (R, G-1): the same tokens in both halves
+        positions = target.image_positions(torch.arange(num_tokens - 1, device=tokens.device))
+        rest = target.forward(rows, positions, cache, return_aux=store_aux)  # hidden (R, G-1, D)
+        hidden.append(rest.hidden)
+        if store_aux and rest.aux is not None:
+            aux.append(rest.aux)
+    states = torch.cat(hidden, dim=1)  # (R, G, D)
+    out = {"tokens": tokens, "hidden": states[:num_prompts]}
+    if store_aux:
+        if not aux:
+            raise ValueError(f"target {target.name!r} returned no auxiliary streams; set store_aux: false")
+        out["aux"] = torch.cat(aux, dim=1)[:num_prompts]  # (B, G, 3D)
+    if store_uncond:
+        out["uncond_hidden"] = states[num_prompts:]  # (B, G, D)
+    return out
+
+
+@dataclass
+class _Job:
+    """What every rank derives identically from the config: prompts, shard plan, manifest header."""
+
+    config: ExtractConfig
+    prompts: list[Prompt]
+    settings: SamplingDefaults
+    header: Manifest
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(self.header.num_samples / self.config.samples_per_shard)
+
+    def shard_range(self, index: int) -> range:
+        size = self.config.samples_per_shard
+        return range(index * size, min((index + 1) * size, self.header.num_samples))
+
+
+def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
+    """Load the prompts and describe the dataset this config produces (the manifest without shards)."""
+    prompts = load_prompts(config.prompts)
+    settings = config.sampling_settings(target)
+    width = target.hidden_size
+    fields = {
+        "tokens": FieldSpec("int16" if target.image_vocab_size <= 2**15 else "int32", None),
+        "hidden": FieldSpec(config.feature_dtype, width),
+    }
+    if config.store_aux:
+        fields["aux"] = FieldSpec(config.feature_dtype, len(target.aux_layer_ids) * width)
+    if config.store_uncond:
+        fields["uncond_hidden"] = FieldSpec(config.feature_dtype, width)
+    texts = hashlib.sha256("\n".join(f"{p.id}\t{p.text}" for p in prompts).encode()).hexdigest()
+    header = Manifest(
+        target=TargetIdentity.from_target(target),
+        sampling={
+            **dataclasses.asdict(settings),
+            "seed": config.seed,
+            "batch_size": config.batch_size,
+            "samples_per_prompt": config.samples_per_prompt,
+            "seed_rule": "batches of batch_size consecutive samples within a shard; generator seeded "
+            "with derive_seed(seed, first sample index of the batch)",
+        },
+        prompts={**config.prompts.describe(), "num_prompts": len(prompts), "sha256": texts},
+        fields=fields,
+        num_tokens=target.geometry.num_tokens,
+        samples_per_shard=config.samples_per_shard,
+        num_samples=len(prompts) * config.samples_per_prompt,
+    )
+    return _Job(config, prompts, settings, header)
+
+
+def _write_shard(job: _Job, target: ImageTarget, index: int, bar: tqdm, bytes_before: int) -> ShardInfo:
+    """Generate and write shard `index`; `bytes_before` (bytes already written) only feeds the progress bar."""
+    out_dir = Path(job.config.out_dir)
+    indices = job.shard_range(index)
+    writer = ShardWriter(out_dir / shard_name(index))
+    dtype = np.dtype(job.config.feature_dtype)
+    try:
+        for start in range(indices.start, indices.stop, job.config.batch_size):
+            batch = range(start, min(start + job.config.batch_size, indices.stop))
+            prompts = [job.prompts[s // job.config.samples_per_prompt] for s in batch]
+            seed = derive_seed(job.config.seed, start)
+            generator = torch.Generator(device=target.device).manual_seed(seed)
+            out = extract_batch(
+                target,
+                [p.text for p in prompts],
+                job.settings,
+                generator,
+                job.config.store_aux,
+                job.config.store_uncond,
+            )
+            arrays = {name: tensor.float().cpu().numpy() for name, tensor in out.items() if name != "tokens"}
+            arrays = {name: _cast_checked(array, dtype, name, start) for name, array in arrays.items()}
+            tokens = out["tokens"].cpu().numpy().astype(job.header.fields["tokens"].dtype)
+            for row, (sample, prompt) in enumerate(zip(batch, prompts, strict=True)):
+                meta = {
+                    "index": sample,
+                    "prompt_id": prompt.id,
+                    "prompt": prompt.text,
+                    "seed": seed,
+                    "batch_row": row,
+                    "length": int(tokens.shape[1]),
+                }
+                writer.write(
+                    sample_key(sample), {"tokens": tokens[row], **{k: v[row] for k, v in arrays.items()}}, meta
+                )
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{(writer.num_bytes + bytes_before) / 1e6:.1f} MB written")
+    except BaseException:
+        writer.close()  # keep the .partial file: a rerun truncates and rewrites it
+        raise
+    info = writer.commit(first_index=indices.start)
+    write_atomic(_sidecar(out_dir, index), json.dumps(dataclasses.asdict(info)))
+    return info
+
+
+def _cast_checked(array: np.ndarray, dtype: np.dtype, name: str, start: int) -> np.ndarray:
+    cast = array.astype(dtype)
+    if not np.isfinite(cast).all():
+        raise ValueError(
+            f"field {name!r} of the batch starting at sample {start} is not finite after casting "
+            f"to {dtype} (max |x| = {np.abs(array).max():.3g}); use feature_dtype: float32"
+        )
+    return cast
+
+
+def _sidecar(out_dir: Path, index: int) -> Path:
+    return out_dir / WORK_DIR / (shard_name(index).removesuffix(".tar") + ".json")
+
+
+def _shard_info(out_dir: Path, index: int, first_index: int) -> ShardInfo | None:
+    """A finished shard's info from its sidecar, rebuilt by re-reading the tar if the sidecar is missing."""
+    path, sidecar = out_dir / shard_name(index), _sidecar(out_dir, index)
+    if not path.exists():
+        return None
+    if sidecar.exists():
+        return ShardInfo(**json.loads(sidecar.read_text()))
+    sha256 = hashlib.sha256()
+    count = sum(1 for _ in iter_raw_samples(path, sha256))  # killed between rename and sidecar write
+    info = ShardInfo(path.name, count, sha256.hexdigest(), path.stat().st_size, first_index)
+    write_atomic(sidecar, json.dumps(dataclasses.asdict(info)))
+    return info
+
+
+def _check_or_write_header(job: _Job) -> None:
+    path = Path(job.config.out_dir) / WORK_DIR / "job.json"
+    text = job.header.to_json()
+    if path.exists() and path.read_text() != text:
+        old, new = json.loads(path.read_text()), json.loads(text)
+        changed = [k for k in new if old.get(k) != new.get(k)]
+        raise ValueError(
+            f"{job.config.out_dir} holds an extraction with different settings ({', '.join(changed)} "
+            "changed); resume with the original config or choose a new out_dir"
+        )
+    write_atomic(path, text)
+
+
+def merge_manifest(out_dir: str | Path, require_complete: bool = False) -> Manifest | None:
+    """Write manifest.json once every shard is finished; returns None (or raises) while some are missing."""
+    out_dir = Path(out_dir)
+    job_path = out_dir / WORK_DIR / "job.json"
+    if not job_path.exists():
+        raise FileNotFoundError(f"{job_path} does not exist: {out_dir} is not an extraction output folder")
+    manifest = Manifest.from_dict(json.loads(job_path.read_text()), source=str(job_path))
+    num_shards = math.ceil(manifest.num_samples / manifest.samples_per_shard)
+    infos = [_shard_info(out_dir, i, i * manifest.samples_per_shard) for i in range(num_shards)]
+    missing = [shard_name(i) for i, info in enumerate(infos) if info is None]
+    if missing:
+        if require_complete:
+            raise ValueError(
+                f"{out_dir}: {len(missing)} of {num_shards} shards are not finished "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); rerun the extraction"
+            )
+        return None
+    manifest.shards = [info for info in infos if info is not None]
+    write_atomic(out_dir / "manifest.json", manifest.to_json())
+    return manifest
+
+
+def run_extraction(
+    config: ExtractConfig,
+    target: ImageTarget | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: bool = True,
+) -> Manifest | None:
+    """Write this rank's unfinished shards, then the manifest if every shard is done.
+
+    Args:
+        config: the job.
+        target: the model; None loads `config.target` from the registry.
+        rank, world_size: default to torchrun's RANK and WORLD_SIZE (0 and 1 without torchrun).
+    """
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (RANK / WORLD_SIZE)")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    target = target or load_target(config.target)
+    job = build_job(config, target)
+    out_dir = Path(config.out_dir)
+    (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)
+    _check_or_write_header(job)
+    mine = [i for i in range(rank, job.num_shards, world_size)]
+    todo = [i for i in mine if not (out_dir / shard_name(i)).exists()]
+    done_samples = sum(len(job.shard_range(i)) for i in mine if i not in todo)
+    bar = tqdm(
+        total=sum(len(job.shard_range(i)) for i in mine),
+        initial=done_samples,
+        unit="sample",
+        desc=f"extract rank {rank}/{world_size}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    written, started = 0, time.perf_counter()
+    with bar:
+        for index in todo:
+            written += _write_shard(job, target, index, bar, written).num_bytes
+    if todo:
+        seconds, count = time.perf_counter() - started, sum(len(job.shard_range(i)) for i in todo)
+        print(
+            f"rank {rank}: wrote {count} samples in {len(todo)} shards, {written / 1e6:.1f} MB, in {seconds:.1f} s "
+            f"({count / seconds:.2f} samples/s); {len(mine) - len(todo)} shards were already done",
+            file=sys.stderr,
+        )
+    manifest = merge_manifest(out_dir)
+    if manifest is None:
+        print(
+            f"rank {rank}: my {len(mine)} shards are done; the last rank to finish writes manifest.json "
+            f"(or run `python -m data.extract --merge {out_dir}`)",
+            file=sys.stderr,
+        )
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, help="YAML extraction config (see configs/extract_toy.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. batch_size=8 prompts.count=16")
+    parser.add_argument("--validate", type=Path, metavar="DIR", help="re-read every shard of DIR and check it")
+    parser.add_argument("--merge", type=Path, metavar="DIR", help="write DIR/manifest.json from finished shards")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.validate:
+            report = validate_dataset(args.validate, progress=not args.no_progress)
+            print(
+                f"{args.validate}: OK, {report['shards']} shards, {report['samples']} samples, "
+                f"{report['bytes'] / 1e6:.1f} MB"
+            )
+        elif args.merge:
+            manifest = merge_manifest(args.merge, require_complete=True)
+            assert manifest is not None
+            print(
+                f"wrote {args.merge / 'manifest.json'}: {len(manifest.shards)} shards, {manifest.num_samples} samples"
+            )
+        else:
+            if args.config is None and not args.overrides:
+                raise ValueError("give --config FILE (and optional key=value overrides), --validate DIR or --merge DIR")
+            config = load_config(args.config, args.overrides)
+            manifest = run_extraction(config, progress=not args.no_progress)
+            if manifest is not None:
+                print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards to {config.out_dir}")
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
