@@ -23,7 +23,7 @@ from models.toy_model import ToyTextToImage
 from models.vq import PatchVQ
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-TOY_SAMPLING = SamplingDefaults(cfg_scale=3.0, temperature=1.0, top_k=None, top_p=None)
+TOY_SAMPLING = SamplingDefaults(cfg_scale=2.0, temperature=1.0, top_k=5, top_p=None)
 
 
 class ToyTarget(ImageTarget):

@@ -124,12 +124,17 @@ def train_target(out: Path, vq: PatchVQ, steps: int, batch_size: int, lr: float,
     partial.unlink(missing_ok=True)
 
 
-def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128) -> None:
-    """Train the scene reader on clean and VQ-round-tripped scenes, then report its accuracy."""
+def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128, resume: bool = False) -> None:
+    """Train the scene reader on clean and VQ-round-tripped scenes, then report its accuracy.
+
+    With `resume`, training continues from the reader already in `out` (a fresh schedule, new scenes).
+    """
     from models.toy_metrics import SceneReader, scene_labels
 
     torch.manual_seed(seed)
-    reader = SceneReader()
+    reader = SceneReader.load(out / "scene_reader.safetensors").train() if resume else SceneReader()
+    if resume:
+        seed += 1  # draw scenes the first run did not see
     optimizer = torch.optim.AdamW(reader.parameters(), lr=2e-3, weight_decay=1e-4)
     progress = tqdm(range(steps), desc="scene reader")
     for step in progress:
@@ -153,7 +158,9 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
     reader.save(out / "scene_reader.safetensors")
 
 
-def evaluate(folder: Path, num_prompts: int, cfg_scales: list[float], seed: int, grid_out: Path) -> None:
+def evaluate(
+    folder: Path, num_prompts: int, cfg_scales: list[float], seed: int, grid_out: Path, top_k: int | None = None
+) -> None:
     """Sample held-out captions with the trained target at several CFG scales; print fidelity, FID, entropy."""
     import dataclasses
 
@@ -166,15 +173,18 @@ def evaluate(folder: Path, num_prompts: int, cfg_scales: list[float], seed: int,
     captions, truth = render_dataset(num_prompts, seed=seed, split="heldout")
     truth = torch.from_numpy(truth)
     print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}")
+    print(f"sampling defaults: {target.sampling}" + (f", top_k overridden to {top_k}" if top_k is not None else ""))
     print("cfg_scale  fidelity  fid_vs_truth  entropy_nats  top1_prob  seconds")
     grid_out.mkdir(parents=True, exist_ok=True)
     for scale in cfg_scales:
         settings = dataclasses.replace(target.sampling, cfg_scale=scale)
+        if top_k is not None:
+            settings = dataclasses.replace(settings, top_k=top_k or None)  # 0 turns top-k off
         generation = generate_ar(target, captions, settings, torch.Generator().manual_seed(seed), progress=True)
         images = target.decode_images(generation.tokens)
         fidelity = reader.fidelity(images, captions)
         distance = frechet_distance(truth, images, reader)
-        print(f"{scale:9.2f}  {fidelity:8.3f}  {distance:12.2f}  {generation.mean_entropy:12.3f}  "
+        print(f"{settings.cfg_scale:9.2f}  {fidelity:8.3f}  {distance:12.2f}  {generation.mean_entropy:12.3f}  "
               f"{generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
         image_grid(images.numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
     print(f"grids in {grid_out}")
@@ -194,9 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--reader-steps", type=int, default=1500)
+    parser.add_argument("--reader-resume", action="store_true", help="continue training the reader in --out")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out captions sampled by --stage eval")
     parser.add_argument("--eval-cfg-scales", default="1.0,3.0", help="comma-separated CFG scales for --stage eval")
+    parser.add_argument("--eval-top-k", type=int, help="override the target's top-k in --stage eval (0 = off)")
     parser.add_argument("--eval-out", type=Path, default=Path("runs/toy_eval"), help="where --stage eval puts grids")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
@@ -208,10 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage in ("target", "all"):
         train_target(args.out, vq, args.steps, args.batch_size, args.lr, args.seed)
     if args.stage in ("reader", "all"):
-        train_reader(args.out, vq, args.reader_steps, args.seed)
+        train_reader(args.out, vq, args.reader_steps, args.seed, resume=args.reader_resume)
     if args.stage in ("eval", "all"):
         scales = [float(s) for s in args.eval_cfg_scales.split(",")]
-        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out)
+        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out, args.eval_top_k)
 
 
 if __name__ == "__main__":
