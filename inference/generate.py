@@ -27,7 +27,7 @@ from PIL import Image
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.sampling import guided_logits, sample_tokens, sampling_probabilities
+from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
 
@@ -76,7 +76,7 @@ def generate_ar(
         probabilities = sampling_probabilities(guided, settings)
         entropy += -(probabilities * probabilities.clamp_min(1e-30).log()).sum(-1).mean()
         top1 += probabilities.max(-1).values.mean()
-        tokens[:, index] = sample_tokens(guided, settings, generator)
+        tokens[:, index] = draw_tokens(probabilities, settings, generator)
         if index + 1 == num_tokens:
             break
         rows = tokens[:, index : index + 1].repeat(2 if cfg else 1, 1)  # (R, 1): the same token in both halves

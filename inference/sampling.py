@@ -54,9 +54,13 @@ def sampling_probabilities(logits: Tensor, settings: SamplingDefaults) -> Tensor
     return filter_logits(logits, settings).softmax(-1)
 
 
+def draw_tokens(probabilities: Tensor, settings: SamplingDefaults, generator: torch.Generator | None) -> Tensor:
+    """Draw one token per row from `sampling_probabilities` output (argmax when greedy). (B, V) -> (B,) int64."""
+    if settings.temperature == 0:
+        return probabilities.argmax(-1)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+
+
 def sample_tokens(logits: Tensor, settings: SamplingDefaults, generator: torch.Generator | None) -> Tensor:
     """Draw one token per row from processed logits. (B, V) -> (B,) int64."""
-    if settings.temperature == 0:
-        return logits.argmax(-1)
-    probabilities = filter_logits(logits, settings).softmax(-1)
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+    return draw_tokens(sampling_probabilities(logits, settings), settings, generator)

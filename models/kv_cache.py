@@ -82,12 +82,6 @@ class KVCache:
         self.column_valid[:, length : self.length] = False
         self.length = length
 
-    def reorder_rows(self, index: Tensor) -> None:
-        """Keep rows `index` ((R',) int64) in that order, e.g. to drop finished images."""
-        self.keys = self.keys[:, index]
-        self.values = self.values[:, index]
-        self.column_valid = self.column_valid[index]
-
     def keep_columns(self, start: int, columns: Tensor, valid: Tensor) -> None:
         """Move, per row, the columns `columns` to `start`, `start + 1`, ... and forget the rest after `start`.
 
