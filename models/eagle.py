@@ -1,0 +1,496 @@
+"""EAGLE-1 and EAGLE-3 drafter heads (plain torch), their configs, presets and checkpoints.
+
+A drafter reads pairs (feature_t, token_{t+1}) and predicts what follows token_{t+1}
+(design.md "Drafters"; peers.md §1.2, §1.5):
+
+- EAGLE-1: x = fc([embed(token), feature]) (2H -> H, bias), one decoder layer without an input
+  norm, output = the predicted next target feature; logits = the frozen target image head(output).
+  Deeper draft steps feed the predicted feature back in.
+- EAGLE-3: x = fc([low, mid, high]) (3 D_t -> H) for target features, or the drafter's own previous
+  hidden deeper in a draft; one decoder layer whose attention reads
+  [input_layernorm(embed), hidden_norm(x)] (2H wide) with residual x; logits = lm_head(norm(out))
+  over a draft vocabulary; `d2t` (draft id -> target id offset) and `t2d` (target id -> in draft
+  vocabulary) map it to image tokens.
+
+The frozen token embedding (and, for EAGLE-1, the image head) belong to the target and are passed
+in as tensors / callables: they are never parameters of this module, so they are neither trained
+nor saved. Module and parameter names follow the serving layouts (peers.md §4): EAGLE-3 `fc`,
+`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; EAGLE-1 `fc`, `layers.0.*`.
+
+`unroll` is the training-time test (TTT): K steps over a whole sequence, each step's element t
+attending to step-0 elements <= t (target-fed context) and to itself at earlier steps (its draft
+ancestors), with positions advanced by k. `ttt_attention_mask` builds that mask; tests prove it
+equals running the drafter step by step through its KV cache as the tree decoder does.
+
+Shapes: R rows, T elements, K unrolled steps, H drafter hidden size, D_t target hidden size,
+Df = D_t (EAGLE-1) or 3 D_t (EAGLE-3) feature width, V image vocabulary, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from models.kv_cache import KVCache
+from models.llamagen import RMSNorm
+
+ARCHITECTURES = ("eagle1", "eagle3")
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+SERVING_ARCHITECTURE = {"eagle1": "EagleLlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """Everything needed to rebuild a drafter; saved next to its weights."""
+
+    architecture: str
+    """"eagle1" or "eagle3"."""
+    hidden_size: int
+    """H; must equal the width of the target's image-token embedding (and, for EAGLE-1, its hidden size)."""
+    num_heads: int
+    intermediate_size: int
+    target_hidden_size: int
+    """D_t, the target's hidden size (EAGLE-3's fc reads num_aux_layers x D_t)."""
+    vocab_size: int
+    """V, the target's image vocabulary."""
+    num_kv_heads: int | None = None
+    """Key/value heads (None = num_heads)."""
+    draft_vocab_size: int | None = None
+    """EAGLE-3 only: Vd, the drafter head's vocabulary (None = the full image vocabulary)."""
+    num_aux_layers: int = 3
+    """EAGLE-3 only: target streams fused by fc (low, mid, high)."""
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    fc_bias: bool = True
+    """EAGLE-1 only: bias on fc (the original EAGLE-1 drafters have one; vLLM's loader expects none)."""
+    target: str = ""
+    """Name of the target this drafter was built for (checked when it is loaded for decoding)."""
+    vocab_map_key: str = ""
+    """With a reduced draft vocabulary: the fingerprint of the dataset whose token counts built d2t/t2d."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head size {self.head_dim} must be even for rotary embeddings")
+        if self.architecture == "eagle1":
+            if self.hidden_size != self.target_hidden_size:
+                raise ValueError(
+                    f"EAGLE-1 predicts target features: hidden_size ({self.hidden_size}) must equal "
+                    f"target_hidden_size ({self.target_hidden_size})"
+                )
+            if self.draft_vocab_size not in (None, self.vocab_size):
+                raise ValueError("EAGLE-1 uses the target's image head: draft_vocab_size must be null")
+        if not 1 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def draft_vocab(self) -> int:
+        """Vd: the vocabulary of the drafter's own head (V for EAGLE-1 and full-vocabulary EAGLE-3)."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """Df, the width of the target features the drafter reads."""
+        return self.target_hidden_size * (self.num_aux_layers if self.architecture == "eagle3" else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "drafter config") -> DrafterConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown drafter config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+
+# Presets: (hidden, heads, kv heads, intermediate, vocab). The real targets' values come from their
+# configs (targets.md, peers.md §6); a drafter layer copies the target's layer shape.
+_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (32, 2, 2, 64, 64),
+    "toy": (128, 2, 2, 344, 512),
+    "llamagen-xl": (1280, 20, 20, 3584, 16384),
+    "janus-pro-7b": (4096, 32, 32, 11008, 16384),
+    "lumina-mgpt-7b": (4096, 32, 32, 11008, 65536),
+}
+
+
+def drafter_preset(name: str, architecture: str, **overrides: Any) -> DrafterConfig:
+    """A drafter config for a known target shape: tiny (tests), toy, llamagen-xl, janus-pro-7b, lumina-mgpt-7b."""
+    if name not in _SHAPES:
+        raise ValueError(f"unknown drafter preset {name!r}; known presets: {', '.join(_SHAPES)}")
+    hidden, heads, kv_heads, ffn, vocab = _SHAPES[name]
+    base = DrafterConfig(
+        architecture=architecture,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        target_hidden_size=hidden,
+        vocab_size=vocab,
+        target=name,
+    )
+    return replace(base, **overrides)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Llama (half-split) rotary tables for explicit positions: (R, T) -> cos, sin (R, 1, T, E)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # (R, T, E/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (R, 1, T, E)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (R, heads, T, E) rotated by (cos, sin): x cos + rotate_half(x) sin."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention over an explicit key set: the KV cache (decoding) or earlier TTT steps (training)."""
+
+    def __init__(self, config: DrafterConfig, input_size: int) -> None:
+        super().__init__()
+        self.config = config
+        heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
+        self.q_proj = nn.Linear(input_size, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        cache: KVCache | None = None,
+        past: tuple[list[Tensor], list[Tensor]] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (R, T, in), positions (R, T), mask (R, T, S) over the keys -> (R, T, H) and this call's k, v.
+
+        Keys are `cache`'s filled columns plus the new ones (S = cache.length + T), or the blocks in
+        `past` followed by the new ones (S = (len(past) + 1) T), or the new ones alone.
+        """
+        rows, length, _ = x.shape
+        config = self.config
+        q = self.q_proj(x).view(rows, length, config.num_heads, config.head_dim).transpose(1, 2)  # (R, h, T, E)
+        k = self.k_proj(x).view(rows, length, config.kv_heads, config.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(rows, length, config.kv_heads, config.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
+        q, k = apply_rotary_half(q, cos, sin), apply_rotary_half(k, cos, sin)
+        if cache is not None:
+            keys, values = cache.write(0, k.to(cache.keys.dtype), v.to(cache.values.dtype))
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        elif past is not None:
+            keys, values = torch.cat([*past[0], k], dim=2), torch.cat([*past[1], v], dim=2)
+        else:
+            keys, values = k, v
+        if config.kv_heads != config.num_heads:
+            repeat = config.num_heads // config.kv_heads
+            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])  # (R, h, T, E)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1)), k, v
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The drafter's one decoder layer (EAGLE-1: no input norm; EAGLE-3: attention over 2H inputs)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.eagle3 = config.architecture == "eagle3"
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        if self.eagle3:
+            self.input_layernorm = RMSNorm(hidden, eps)
+            self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = DraftAttention(config, 2 * hidden if self.eagle3 else hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        cache: KVCache | None = None,
+        past: tuple[list[Tensor], list[Tensor]] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """embeds (R, T, H) token embeddings (EAGLE-3 only), hidden (R, T, H) -> out (R, T, H), k, v."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1) if self.eagle3 else hidden
+        attended, k, v = self.self_attn(x, positions, mask, cache, past)
+        h = hidden + attended
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+class EagleDraftModel(nn.Module):
+    """An EAGLE-1 or EAGLE-3 draft head; the target's embedding (and EAGLE-1's head) come from outside."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        if config.architecture == "eagle1":
+            self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+            self.layers = nn.ModuleList([DraftLayer(config)])
+        else:
+            self.fc = nn.Linear(config.feature_width, hidden, bias=False)
+            self.midlayer = DraftLayer(config)
+            self.norm = RMSNorm(hidden, config.rms_norm_eps)
+            self.lm_head = nn.Linear(hidden, config.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+            if config.draft_vocab != config.vocab_size:
+                self.t2d[config.draft_vocab :] = False  # a placeholder map until set_vocab_map
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) linear weights (Llama's initializer), zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def layer(self) -> DraftLayer:
+        return self.layers[0] if self.config.architecture == "eagle1" else self.midlayer  # type: ignore[return-value]
+
+    def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install a reduced draft vocabulary: d2t (Vd,) int64 offsets, t2d (V,) bool."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not fit this drafter "
+                f"(draft vocab {self.config.draft_vocab}, vocab {self.config.vocab_size})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def forward(
+        self,
+        embeds: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        *,
+        from_target: bool,
+        cache: KVCache | None = None,
+        past: tuple[list[Tensor], list[Tensor]] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafter pass over T pairs.
+
+        Args:
+            embeds: (R, T, H) frozen target embeddings of the tokens.
+            features: (R, T, Df) target features (`from_target`) or (R, T, H) the drafter's own output.
+            positions: (R, T) position ids; mask: (R, T, S) bool over the keys (see DraftAttention).
+
+        Returns:
+            the drafter hidden (R, T, H) (EAGLE-1: the predicted next target feature), and this pass's keys/values.
+        """
+        embeds = embeds.to(self.fc.weight.dtype)
+        features = features.to(self.fc.weight.dtype)
+        if self.config.architecture == "eagle1":
+            hidden = self.fc(torch.cat([embeds, features], dim=-1))
+        else:
+            hidden = self.fc(features) if from_target else features
+        return self.layer(embeds, hidden, positions, mask, cache, past)
+
+    def draft_logits(self, hidden: Tensor, image_head: Callable[[Tensor], Tensor]) -> Tensor:
+        """Logits over the drafter's own vocabulary: (R, T, H) -> (R, T, Vd). EAGLE-1 uses the frozen image head."""
+        if self.config.architecture == "eagle1":
+            return image_head(hidden)
+        return self.lm_head(self.norm(hidden))
+
+    def to_image_vocab(self, draft_logits: Tensor) -> Tensor:
+        """Scatter draft-vocabulary logits into the image vocabulary (-inf outside it): (..., Vd) -> (..., V)."""
+        if self.config.draft_vocab == self.config.vocab_size:
+            return draft_logits
+        index = torch.arange(self.config.draft_vocab, device=draft_logits.device) + self.d2t  # (Vd,) target ids
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, index, draft_logits)
+
+    def unroll(
+        self,
+        embed: Callable[[Tensor], Tensor],
+        features: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        valid: Tensor,
+        steps: int,
+        feature_noise: Callable[[Tensor], Tensor] | None = None,
+    ) -> list[Tensor]:
+        """The training-time test: `steps` unrolled drafter passes over whole sequences.
+
+        Step k's element t reads token t + k and, for k > 0, its own step k-1 output; it predicts
+        token t + k + 1. It attends to step-0 elements <= t and to its own earlier steps
+        (`ttt_attention_mask`), at position positions[:, t + k].
+
+        Args:
+            embed: the frozen target embedding, (R, T) int64 -> (R, T, H).
+            features: (R, T, Df) target features; row t is the feature that predicted token t.
+            tokens: (R, T) tokens; positions: (R, T + steps - 1) position ids of token indices 0 .. T + steps - 2.
+            valid: (R, T) bool, False for padding.
+            feature_noise: applied to the step-0 input features (EAGLE-1's noise); None = none.
+
+        Returns:
+            `steps` hidden tensors (R, T, H).
+        """
+        rows, length = tokens.shape
+        if positions.shape[1] < length + steps - 1:
+            raise ValueError(f"positions must cover {length + steps - 1} token indices, got {positions.shape[1]}")
+        past: tuple[list[Tensor], list[Tensor]] = ([], [])
+        hidden = features if feature_noise is None else feature_noise(features)
+        outputs = []
+        for step in range(steps):
+            step_tokens = F.pad(tokens[:, step:], (0, step))  # (R, T): token t + step, 0 past the end
+            mask = ttt_attention_mask(valid, step)
+            out, k, v = self(
+                embed(step_tokens),
+                hidden,
+                positions[:, step : step + length],
+                mask,
+                from_target=step == 0,
+                past=past,
+            )
+            past[0].append(k)
+            past[1].append(v)
+            outputs.append(out)
+            hidden = out
+        return outputs
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write `config.json` (the drafter config) and `model.safetensors` (drafter weights only) atomically."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        tmp_weights = folder / f".{WEIGHTS_NAME}.tmp"
+        metadata = {"format": "pt", "drafter_config": json.dumps(self.config.to_dict())}
+        save_file(state, str(tmp_weights), metadata=metadata)
+        tmp_config = folder / f".{CONFIG_NAME}.tmp"
+        tmp_config.write_text(json.dumps(self.serving_config(), indent=2) + "\n")
+        tmp_weights.replace(folder / WEIGHTS_NAME)
+        tmp_config.replace(folder / CONFIG_NAME)
+        return folder
+
+    def serving_config(self) -> dict[str, Any]:
+        """config.json: the drafter config plus the LlamaConfig fields serving engines read (peers.md §4)."""
+        config = self.config
+        return {
+            "architectures": [SERVING_ARCHITECTURE[config.architecture]],
+            "model_type": "llama",
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.kv_heads,
+            "head_dim": config.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta,
+            "vocab_size": config.vocab_size,
+            "draft_vocab_size": config.draft_vocab,
+            "target_hidden_size": config.target_hidden_size,
+            "tie_word_embeddings": False,
+            "drafter_config": config.to_dict(),
+        }
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, map_location: str | torch.device = "cpu") -> EagleDraftModel:
+        """Load a folder written by `save_pretrained`; a missing or unexpected weight is an error naming it."""
+        folder = Path(folder)
+        config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} not found: a drafter folder holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+        values = json.loads(config_path.read_text())
+        if "drafter_config" not in values:
+            raise ValueError(f"{config_path} has no 'drafter_config' section; was it written by save_pretrained?")
+        model = cls(DrafterConfig.from_dict(values["drafter_config"], source=str(config_path)))
+        state = load_file(str(weights_path), device=str(map_location))
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{weights_path}: missing weights {missing}, unexpected weights {unexpected}")
+        model.load_state_dict(state)
+        return model.to(map_location)
+
+
+def ttt_attention_mask(valid: Tensor, step: int) -> Tensor:
+    """Attention of TTT step `step` over the keys of steps 0 .. step: (R, T) bool -> (R, T, (step + 1) T).
+
+    Block 0 (step-0 keys, the target-fed context): causal, valid keys only. Block i >= 1: the
+    diagonal (element t at step i), i.e. the element's own draft ancestors and itself.
+    """
+    rows, length = valid.shape
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=valid.device)
+    context = (causal & valid[:, None, :]) | eye  # (R, T, T)
+    return torch.cat([context, *[eye.expand(rows, length, length)] * step], dim=-1)
+
+
+def vocab_map_from_counts(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
+    """EAGLE-3's reduced vocabulary: the `draft_vocab_size` most frequent tokens, in ascending id order.
+
+    Ties (and tokens never seen) are broken by lower id, so the map is deterministic.
+    Returns d2t (Vd,) int64 offsets (target id = i + d2t[i]) and t2d (V,) bool.
+    """
+    vocab = counts.shape[0]
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab}, got {draft_vocab_size}")
+    order = torch.argsort(-counts.long(), stable=True)  # most frequent first, lower id first among ties
+    used = order[:draft_vocab_size].sort().values
+    d2t = used - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Trainable parameters of a module."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

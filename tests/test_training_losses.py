@@ -1,0 +1,155 @@
+"""Drafter losses and metrics against hand-computed values, and the objective over a real batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_toy_target
+
+from models.eagle import EagleDraftModel, drafter_preset
+from training.losses import (
+    convergence_weights,
+    convergent_positions,
+    feature_regression_loss,
+    simulated_acceptance_length,
+    soft_cross_entropy,
+    step_weights,
+    uniform_feature_noise,
+)
+from training.objective import ObjectiveConfig, drafter_objective
+
+
+def test_soft_cross_entropy_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, -5.0]]])  # q = (1/4, 3/4) at position 0
+    target = torch.tensor([[[0.5, 0.5], [1.0, 0.0]]])
+    mask = torch.tensor([[True, False]])
+    expected = -(0.5 * math.log(0.25) + 0.5 * math.log(0.75))  # 0.83698...
+    assert soft_cross_entropy(logits, target, mask.float(), mask).item() == pytest.approx(expected, rel=1e-6)
+    weights = torch.tensor([[2.0, 0.0]])  # a convergent position counts twice, the denominator stays #mask
+    assert soft_cross_entropy(logits, target, weights, mask).item() == pytest.approx(2 * expected, rel=1e-6)
+    empty = torch.zeros(1, 2, dtype=torch.bool)
+    assert soft_cross_entropy(logits, target, empty.float(), empty).item() == 0.0  # padding only: 0, not NaN
+
+
+def test_feature_regression_by_hand():
+    predicted = torch.zeros(1, 2, 2)
+    target = torch.tensor([[[0.5, 2.0], [9.0, 9.0]]])
+    mask = torch.tensor([[True, False]])
+    # smooth-L1 (beta 1): 0.5 * 0.5^2 = 0.125 and 2 - 0.5 = 1.5; mean over features 0.8125
+    assert feature_regression_loss(predicted, target, mask).item() == pytest.approx(0.8125)
+
+
+def test_convergence_marks_positions_similar_to_a_later_one():
+    features = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.0, -1.0]]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # cos(p0, p2) = 0.995 > 0.625; p1 and p3 are orthogonal/opposite to what follows; p3 has nothing later
+    assert convergent_positions(features, mask, 0.625).tolist() == [[True, False, False, False]]
+    assert convergence_weights(features, mask, 0.625, 2.0).tolist() == [[2.0, 1.0, 1.0, 1.0]]
+    assert convergence_weights(features, mask, 0.625, 1.0).tolist() == [[1.0, 1.0, 1.0, 1.0]]  # w = 1: off
+    assert convergent_positions(features, mask, 0.999).tolist() == [[False, False, False, False]]
+    mask[0, 2] = False  # the only later match is padding
+    assert convergence_weights(features, mask, 0.625, 2.0).tolist() == [[1.0, 1.0, 0.0, 1.0]]
+    # only LATER positions count: the same pair seen from p2 does not mark p2
+    reversed_features = features.flip(1)
+    assert convergent_positions(reversed_features, torch.ones(1, 4, dtype=torch.bool), 0.625).tolist() == [
+        [False, True, False, False]
+    ]
+
+
+def test_acceptance_length_and_step_weights():
+    assert simulated_acceptance_length([torch.tensor(0.5), torch.tensor(0.5)]).item() == pytest.approx(1.75)
+    assert simulated_acceptance_length([torch.tensor(1.0)] * 3).item() == pytest.approx(4.0)
+    assert step_weights(3) == pytest.approx([1.0, 0.8, 0.64])
+
+
+def test_feature_noise_is_bounded_uniform():
+    features = torch.zeros(2, 64, 8)
+    generator = torch.Generator().manual_seed(0)
+    noisy = uniform_feature_noise(features, 0.2, None, generator)
+    assert noisy.abs().max() <= 0.1 and noisy.std() > 0.05
+    scaled = uniform_feature_noise(features, 0.2, 512, torch.Generator().manual_seed(0))  # EAGLE-1: x 512 / L
+    assert torch.allclose(scaled, noisy * 8)
+    assert torch.equal(uniform_feature_noise(features, 0.0, None, generator), features)
+
+
+def _batch(target, batch_size=3, length=16, uncond=True):
+    generator = torch.Generator().manual_seed(0)
+    d = target.hidden_size
+    batch = {
+        "tokens": torch.randint(0, target.image_vocab_size, (batch_size, length), generator=generator),
+        "hidden": torch.randn(batch_size, length, d, generator=generator),
+        "aux": torch.randn(batch_size, length, 3 * d, generator=generator),
+        "loss_mask": torch.ones(batch_size, length, dtype=torch.bool),
+        "keys": [str(i) for i in range(batch_size)],
+    }
+    batch["loss_mask"][-1, 10:] = False
+    if uncond:
+        batch["uncond_hidden"] = torch.randn(batch_size, length, d, generator=generator)
+        batch["uncond_aux"] = torch.randn(batch_size, length, 3 * d, generator=generator)
+    return batch
+
+
+def test_ttt_loss_is_the_decayed_sum_of_step_losses():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    config = ObjectiveConfig(ttt_steps=3, convergence_weight=1.0)
+    out = drafter_objective(model, target, _batch(target, uncond=False), config, training=True)
+    assert len(out.ce) == 3 and len(out.accuracy) == 3
+    expected = sum(0.8**k * ce for k, ce in enumerate(out.ce))
+    assert out.loss.item() == pytest.approx(float(expected), rel=1e-5)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    evaluation = drafter_objective(
+        model, target, _batch(target, uncond=False), ObjectiveConfig(ttt_steps=3, eval_steps=5), training=False
+    )
+    assert len(evaluation.accuracy) == 5  # evaluation unrolls max(ttt_steps, eval_steps)
+
+
+def test_eagle1_objective_adds_the_feature_regression():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle1"))
+    config = ObjectiveConfig(ttt_steps=1, ce_weight=0.1, feature_weight=1.0, noise_std=0.2, convergence_weight=1.0)
+    out = drafter_objective(
+        model, target, _batch(target), config, training=True, generator=torch.Generator().manual_seed(0)
+    )
+    assert out.loss.item() == pytest.approx(float(0.1 * out.ce[0] + out.feature[0]), rel=1e-5)
+
+
+def test_reweighting_changes_only_the_soft_ce():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    batch = _batch(target, uncond=False)
+    batch["hidden"][:, 8] = batch["hidden"][:, 3]  # position 3 recurs later: convergent
+    plain = drafter_objective(
+        model, target, batch, ObjectiveConfig(ttt_steps=1, convergence_weight=1.0), training=False
+    )
+    weighted = drafter_objective(
+        model, target, batch, ObjectiveConfig(ttt_steps=1, convergence_weight=2.0), training=False
+    )
+    assert weighted.ce[0] > plain.ce[0]
+    assert weighted.accuracy[0] == plain.accuracy[0]
+    assert weighted.convergent_fraction > 0 and plain.convergent_fraction == 0
+
+
+def test_cfg_loss_runs_both_branches_and_needs_unconditional_features():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    config = ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0)
+    out = drafter_objective(model, target, _batch(target), config, training=True)
+    assert len(out.cfg_ce) == 2
+    expected = sum(0.8**k * (ce + cfg) for k, (ce, cfg) in enumerate(zip(out.ce, out.cfg_ce, strict=True)))
+    assert out.loss.item() == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(ValueError, match="uncond_aux"):
+        drafter_objective(model, target, _batch(target, uncond=False), config, training=True)
+
+
+def test_a_batch_of_padding_only_gives_zero_loss():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    batch = _batch(target)
+    batch["loss_mask"][:] = False
+    out = drafter_objective(model, target, batch, ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0), training=True)
+    assert out.loss.item() == 0.0 and all(torch.isfinite(a) for a in out.accuracy)
+    out.loss.backward()  # still differentiable: a short DDP rank must join the gradient all-reduce

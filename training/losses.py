@@ -1,0 +1,98 @@
+"""Drafter losses and metrics as pure functions (peers.md §1.4, §1.6; cascade.md §3.4).
+
+Every loss is a masked sum divided by the number of positions that count (the loss-mask sum,
+clamped to at least 1, so a batch of padding rows only gives 0 rather than NaN). CASCADE's
+convergence weights multiply the soft cross-entropy terms but not the denominator, so w = 2 doubles
+the pull of convergent positions relative to the rest (cascade.md §3.4 divides by the loss-mask sum).
+
+Shapes: B rows, L positions, V vocabulary, D feature width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def masked_mean_denominator(mask: Tensor) -> Tensor:
+    """The number of counted positions, at least 1: (B, L) bool -> () float."""
+    return mask.sum().clamp_min(1).float()
+
+
+def soft_cross_entropy(draft_logits: Tensor, target_probs: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+    """-sum_pos w_pos sum_v p_target(v) log q_draft(v) / #mask.
+
+    Args:
+        draft_logits: (B, L, V) drafter logits; target_probs: (B, L, V) the target's distribution.
+        weights: (B, L) per-position weights (0 outside the mask); mask: (B, L) bool, the positions that count.
+    """
+    log_q = draft_logits.float().log_softmax(-1)
+    per_position = -(target_probs.float() * log_q.clamp_min(torch.finfo(log_q.dtype).min)).sum(-1)  # (B, L)
+    return (per_position * weights).sum() / masked_mean_denominator(mask)
+
+
+def feature_regression_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """EAGLE-1's smooth-L1 between predicted and target features, mean over D, averaged over the mask."""
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)  # (B, L)
+    return (per_position * mask).sum() / masked_mean_denominator(mask)
+
+
+def convergent_positions(features: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """CASCADE's convergence region: positions whose feature has cosine > tau with any LATER valid position.
+
+    features (B, L, D), mask (B, L) bool -> (B, L) bool (False outside the mask).
+    """
+    unit = F.normalize(features.float(), dim=-1)
+    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
+    length = features.shape[1]
+    later = torch.ones(length, length, dtype=torch.bool, device=features.device).triu(1)
+    pairs = later & (similarity > tau) & mask[:, None, :] & mask[:, :, None]
+    return pairs.any(-1)
+
+
+def convergence_weights(features: Tensor, mask: Tensor, tau: float, weight: float) -> Tensor:
+    """Per-position soft-CE weights: mask x (1 + convergent x (weight - 1)). weight = 1 turns reweighting off."""
+    if weight == 1.0:
+        return mask.float()
+    convergent = convergent_positions(features, mask, tau)
+    return mask.float() * (1.0 + convergent.float() * (weight - 1.0))
+
+
+def step_weights(steps: int, decay: float = 0.8) -> list[float]:
+    """EAGLE-3's weights of the unrolled steps: decay**k for k = 0 .. steps - 1."""
+    return [decay**k for k in range(steps)]
+
+
+def uniform_feature_noise(
+    features: Tensor, std: float, reference_length: int | None, generator: torch.Generator | None = None
+) -> Tensor:
+    """EAGLE-1's input-feature noise: features + (U[0, 1) - 0.5) x std, scaled by reference_length / L when set.
+
+    EAGLE-1 scales by 512 / L (peers.md §1.4); None keeps the amplitude independent of the sequence length.
+    """
+    if std == 0:
+        return features
+    scale = std * (reference_length / features.shape[1] if reference_length else 1.0)
+    noise = torch.rand(features.shape, generator=generator, device=features.device) - 0.5
+    return features + (noise * scale).to(features.dtype)
+
+
+def top1_accuracy(draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of masked positions where the drafter's argmax equals the target's: () float."""
+    agree = draft_logits.argmax(-1) == target_logits.argmax(-1)
+    return (agree & mask).sum() / masked_mean_denominator(mask)
+
+
+def simulated_acceptance_length(accuracies: list[Tensor] | Tensor) -> Tensor:
+    """tau_sim = 1 + sum_k prod_{i <= k} acc_i: the mean accepted chain + the bonus token, for a greedy chain draft."""
+    acc = torch.stack(list(accuracies)) if isinstance(accuracies, list) else accuracies
+    return 1.0 + acc.float().cumprod(0).sum()
+
+
+def shift_left(x: Tensor, shift: int, fill: float | bool = 0) -> Tensor:
+    """x[:, shift:] padded at the end with `fill` to the same length along dim 1."""
+    if shift == 0:
+        return x
+    pad = x.new_full((x.shape[0], shift, *x.shape[2:]), fill)
+    return torch.cat([x[:, shift:], pad], dim=1)

@@ -1,0 +1,212 @@
+"""The drafter training objective over one batch of extracted features, shared by the LightningModule,
+the benchmark's plain PyTorch loop and the tests.
+
+Alignment (data/shards.py): row j of a sample's features is the target state that predicted image
+token j, so head(hidden[j]) is token j's target logits. Drafter element t reads (feature t, token t)
+and, at unrolled step k, token t + k; it predicts token t + k + 1, whose target distribution is
+softmax(head(hidden[t + k + 1])) and whose CASCADE weight comes from hidden[t + k + 1].
+
+CFG (design.md "Drafters"): the target samples from u + s (c - u). With `cfg_loss_weight` > 0 the
+drafter runs both branches ([cond; uncond] rows, the unconditional rows reading the stored
+unconditional features) and a soft cross-entropy on the CFG-combined draft and target distributions
+is added; with `uncond_rate` > 0 a sample is trained on its unconditional branch with that
+probability instead (LANTERN). Accuracies are measured on the CFG-combined distributions whenever
+both branches run (always at evaluation when unconditional features are loaded), since that is
+what the decoder drafts from.
+
+Shapes: B samples, R rows (B or 2B), L tokens per sample, K unrolled steps, V image vocabulary,
+Vd draft vocabulary, D target hidden size, Df feature width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from inference.sampling import combine_cfg
+from models.eagle import EagleDraftModel
+from models.target import ImageTarget
+from training.losses import (
+    convergence_weights,
+    feature_regression_loss,
+    masked_mean_denominator,
+    shift_left,
+    simulated_acceptance_length,
+    soft_cross_entropy,
+    step_weights,
+    uniform_feature_noise,
+)
+
+
+@dataclass(kw_only=True)
+class ObjectiveConfig:
+    """Loss recipe. Defaults are EAGLE-3's; EAGLE-1 sets ttt_steps 1, ce_weight 0.1, feature_weight 1, noise_std 0.2."""
+
+    ttt_steps: int = 7
+    """Unrolled training-time-test steps K (EAGLE-3: 7; EAGLE-1: 1)."""
+    step_decay: float = 0.8
+    """Step k's loss weight is step_decay**k."""
+    ce_weight: float = 1.0
+    """Weight of the soft cross-entropy against the target distribution (EAGLE-1: 0.1)."""
+    feature_weight: float = 0.0
+    """Weight of the smooth-L1 feature regression (EAGLE-1: 1.0; EAGLE-3 has no feature target)."""
+    noise_std: float = 0.0
+    """EAGLE-1's uniform noise on the input features (0.2); 0 = none."""
+    noise_reference_length: int | None = None
+    """Scale the noise by reference_length / L as EAGLE-1 does (512); None = no length scaling."""
+    convergence_tau: float = 0.625
+    """CASCADE: cosine threshold for a position to count as convergent."""
+    convergence_weight: float = 2.0
+    """CASCADE: soft-CE weight multiplier at convergent positions; 1.0 turns reweighting off."""
+    uncond_rate: float = 0.0
+    """Probability of training a sample on its unconditional branch instead (needs unconditional features)."""
+    cfg_loss_weight: float = 0.0
+    """Weight of the soft-CE on CFG-combined distributions (runs both branches; needs unconditional features)."""
+    cfg_scale: float | None = None
+    """Guidance scale of that combination; None = the target's sampling default."""
+    eval_steps: int = 5
+    """Chain depth of acc_k and the simulated acceptance length at evaluation (at least ttt_steps)."""
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1 or self.eval_steps < 1:
+            raise ValueError(f"ttt_steps and eval_steps must be >= 1, got {self.ttt_steps}, {self.eval_steps}")
+        if not 0 <= self.uncond_rate <= 1:
+            raise ValueError(f"uncond_rate must lie in [0, 1], got {self.uncond_rate}")
+        for name in ("ce_weight", "feature_weight", "noise_std", "cfg_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.convergence_weight <= 0:
+            raise ValueError(f"convergence_weight must be > 0 (1.0 = off), got {self.convergence_weight}")
+
+
+@dataclass
+class ObjectiveOutput:
+    """The loss to minimise and what to log."""
+
+    loss: Tensor  # () the weighted sum over trained steps
+    ce: list[Tensor] = field(default_factory=list)  # per step: soft CE (per branch)
+    feature: list[Tensor] = field(default_factory=list)  # per step: feature regression (EAGLE-1)
+    cfg_ce: list[Tensor] = field(default_factory=list)  # per step: soft CE on CFG-combined distributions
+    accuracy: list[Tensor] = field(default_factory=list)  # per step: top-1 agreement acc_k
+    convergent_fraction: Tensor | None = None  # share of counted positions CASCADE reweights
+    tokens: int = 0  # predicted tokens counted at step 0 (for throughput)
+
+    @property
+    def tau(self) -> Tensor:
+        """Simulated acceptance length 1 + sum_k prod_{i <= k} acc_i of a greedy chain (+1 = the bonus token)."""
+        return simulated_acceptance_length(self.accuracy)
+
+
+def feature_key(model: EagleDraftModel) -> str:
+    """The batch field a drafter reads: EAGLE-1 `hidden`, EAGLE-3 `aux`."""
+    return "hidden" if model.config.architecture == "eagle1" else "aux"
+
+
+def drafter_objective(
+    model: EagleDraftModel,
+    target: ImageTarget,
+    batch: dict,
+    config: ObjectiveConfig,
+    *,
+    training: bool,
+    generator: torch.Generator | None = None,
+) -> ObjectiveOutput:
+    """Unroll the drafter over a batch and compute losses and acc_k.
+
+    Args:
+        model: the drafter; target: its frozen target (embedding, image head, positions).
+        batch: a FeatureDataModule batch (tokens, hidden, aux, uncond_*, loss_mask).
+        training: unroll `ttt_steps` with noise and uncond sampling; otherwise unroll
+            max(ttt_steps, eval_steps) steps, clean, on both branches when available.
+        generator: randomness of the noise and the branch choice (seeded per step for exact resume).
+    """
+    key = feature_key(model)
+    device = model.fc.weight.device
+    tokens = batch["tokens"].to(device)  # (B, L)
+    mask = batch["loss_mask"].to(device)  # (B, L) bool
+    batch_size, length = tokens.shape
+    features = batch[key].to(device)  # (B, L, Df)
+    hidden = batch["hidden"].to(device)  # (B, L, D): the targets
+    uncond_key = f"uncond_{key}"
+    has_uncond = uncond_key in batch and "uncond_hidden" in batch
+    needs_uncond = config.cfg_loss_weight > 0 or (training and config.uncond_rate > 0)
+    if needs_uncond and not has_uncond:
+        raise ValueError(
+            f"cfg_loss_weight / uncond_rate need unconditional features ({uncond_key}, uncond_hidden) in the batch: "
+            "extract with store_uncond: true and set data.load_uncond: true, or set both to 0"
+        )
+    both = has_uncond and (config.cfg_loss_weight > 0 or not training)
+    if both:
+        features = torch.cat([features, batch[uncond_key].to(device)])
+        hidden = torch.cat([hidden, batch["uncond_hidden"].to(device)])
+        tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])
+    elif training and config.uncond_rate > 0:
+        swap = torch.rand(batch_size, generator=generator, device=generator.device if generator else None)
+        swap = (swap < config.uncond_rate).to(device)[:, None, None]
+        features = torch.where(swap, batch[uncond_key].to(device), features)
+        hidden = torch.where(swap, batch["uncond_hidden"].to(device), hidden)
+
+    steps = config.ttt_steps if training else max(config.ttt_steps, config.eval_steps)
+    num_tokens = target.geometry.num_tokens
+    index = torch.arange(length + steps - 1, device=device).clamp_max(num_tokens - 1)
+    positions = target.image_positions(index).expand(tokens.shape[0], -1)  # (R, L + K - 1)
+    noise = None
+    if training and config.noise_std > 0:
+
+        def noise(x: Tensor) -> Tensor:
+            return uniform_feature_noise(x, config.noise_std, config.noise_reference_length, generator)
+
+    outputs = model.unroll(target.embed_image_tokens, features, tokens, positions, mask, steps, noise)
+
+    with torch.no_grad():
+        head_dtype = target.image_head_weight().dtype
+        target_logits = target.image_head(hidden.to(head_dtype)).float()  # (R, L, V)
+        weights = convergence_weights(hidden, mask, config.convergence_tau, config.convergence_weight)  # (R, L)
+    reduced = model.config.draft_vocab != model.config.vocab_size
+    scale = target.sampling.cfg_scale if config.cfg_scale is None else config.cfg_scale
+    out = ObjectiveOutput(loss=torch.zeros((), device=device))
+    decays = step_weights(steps, config.step_decay)
+    for step in range(steps):
+        counted = shift_left(mask, step + 1, False)  # (R, L): token t + step + 1 exists
+        step_target = shift_left(target_logits, step + 1)  # (R, L, V)
+        draft = model.draft_logits(outputs[step], lambda h: target.image_head(h.to(head_dtype))).float()  # (R, L, Vd)
+        in_draft = counted
+        draft_target = step_target
+        if reduced:  # EAGLE-3 reduced vocabulary: positions whose target argmax is outside it do not train
+            draft_target = step_target[..., model.t2d]
+            in_draft = counted & model.t2d[step_target.argmax(-1)]
+        step_weight = shift_left(weights, step + 1) * in_draft
+        ce = soft_cross_entropy(draft, draft_target.softmax(-1), step_weight, counted)
+        out.ce.append(ce.detach())
+        total = config.ce_weight * ce
+        if config.feature_weight > 0:
+            regression = feature_regression_loss(outputs[step], shift_left(hidden, step + 1), counted)
+            out.feature.append(regression.detach())
+            total = total + config.feature_weight * regression
+        cond = slice(0, batch_size)
+        if both:
+            draft_guided = combine_cfg(draft, scale)  # (B, L, Vd)
+            target_guided = combine_cfg(step_target, scale)  # (B, L, V)
+            if config.cfg_loss_weight > 0:
+                guided_target = target_guided[..., model.t2d] if reduced else target_guided
+                cfg_ce = soft_cross_entropy(draft_guided, guided_target.softmax(-1), step_weight[cond], counted[cond])
+                out.cfg_ce.append(cfg_ce.detach())
+                total = total + config.cfg_loss_weight * cfg_ce
+        else:
+            draft_guided, target_guided = draft[cond], step_target[cond]
+        with torch.no_grad():
+            draft_ids = draft_guided.argmax(-1)
+            if reduced:
+                draft_ids = draft_ids + model.d2t[draft_ids]  # draft id -> image token id
+            agree = (draft_ids == target_guided.argmax(-1)) & counted[cond]
+            out.accuracy.append(agree.sum() / masked_mean_denominator(counted[cond]))
+        if step < config.ttt_steps:
+            out.loss = out.loss + decays[step] * total
+    with torch.no_grad():
+        counted = shift_left(mask, 1, False)[:batch_size]
+        reweighted = shift_left(weights, 1)[:batch_size] != 1
+        out.convergent_fraction = (reweighted & counted).sum() / masked_mean_denominator(counted)
+        out.tokens = int(counted.sum())
+    return out

@@ -1,0 +1,343 @@
+"""The drafter LightningModule and DataModule: a thin system around drafter + frozen target.
+
+    system = DrafterSystem(target="toy", architecture="eagle3", preset="toy")
+    data = DrafterDataModule(train_dir="outputs/shards/toy", target="toy", num_val_shards=1)
+    Trainer(max_steps=200).fit(system, datamodule=data)
+
+The drafter (`models.eagle.EagleDraftModel`) is built in `configure_model` from its config alone,
+so checkpoints load without the target, and strategies that shard parameters (DeepSpeed ZeRO-3)
+see it at the right time. The target is loaded in `setup` and kept outside the module tree
+(`self.frozen_target` is a plain attribute): the strategy never wraps, trains or saves it.
+
+Every step's randomness (input noise, branch choice) comes from a generator seeded by
+(seed, global step, rank), so a run resumed from a checkpoint draws exactly what an uninterrupted
+run draws.
+
+Logged: train/loss, train/ce_k, train/acc_k, train/tau_sim, train/convergent_fraction,
+train/tokens_per_s, train/grad_norm, lr (LearningRateMonitor), val/loss, val/acc_k, val/tau_sim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch import Tensor
+
+from data.datamodule import DataConfig, FeatureDataModule
+from data.shards import TargetIdentity
+from inference.eagle import check_compatible
+from models.eagle import EagleDraftModel, count_parameters, drafter_preset
+from models.registry import load_target
+from models.target import ImageTarget
+from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
+from training.vocab import build_vocab_map
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@functools.cache
+def shared_target(name: str) -> ImageTarget:
+    """One target instance per process and name, shared by the DataModule and the LightningModule."""
+    return load_target(name)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, then cosine or linear decay to min_lr_ratio x lr (peers.md §7)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    """cosine | linear | constant (after warmup)."""
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None
+    """Steps of the schedule; None = the trainer's estimated stepping batches."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.lr <= 0 or self.warmup_steps < 0:
+            raise ValueError(f"optimizer.lr must be > 0 and warmup_steps >= 0, got {self.lr}, {self.warmup_steps}")
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+class DrafterSystem(L.LightningModule):
+    """Trains an EAGLE-1/EAGLE-3 drafter on extracted target features.
+
+    Args:
+        target: registry name of the target (`models.registry`); its embedding and head stay frozen.
+        architecture: eagle1 | eagle3.
+        preset: drafter shape preset (`models.eagle.drafter_preset`): tiny, toy, llamagen-xl, janus-pro-7b, ...
+        drafter: overrides of DrafterConfig fields (e.g. draft_vocab_size, num_heads).
+        objective: the loss recipe.
+        optimizer: AdamW and its schedule.
+        seed: seeds the weights and every step's noise.
+    """
+
+    def __init__(
+        self,
+        target: str = "toy",
+        architecture: str = "eagle3",
+        preset: str = "toy",
+        drafter: dict[str, Any] | None = None,
+        objective: ObjectiveConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.target_name = target
+        self.drafter_config = drafter_preset(preset, architecture, **(drafter or {}))
+        self.objective = objective or ObjectiveConfig()
+        self.optimizer_config = optimizer or OptimizerConfig()
+        self.seed = seed
+        self.save_hyperparameters(
+            {
+                "target": target,
+                "drafter": asdict(self.drafter_config),
+                "objective": asdict(self.objective),
+                "optimizer": asdict(self.optimizer_config),
+                "seed": seed,
+            }
+        )
+        self.model: EagleDraftModel | None = None
+        self.frozen_target: ImageTarget | None = None
+        self._vocab_key: str | None = None
+        self._last_batch_start: float | None = None
+
+    # ------------------------------------------------------------------------- building
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.model = EagleDraftModel(self.drafter_config)
+
+    @property
+    def drafter(self) -> EagleDraftModel:
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        return self.model
+
+    def setup(self, stage: str) -> None:
+        target = shared_target(self.target_name)
+        check_compatible(self.drafter, target)
+        width = target.embed_image_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
+        if width != self.drafter_config.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size {self.drafter_config.hidden_size} != the target's embedding width {width}"
+            )
+        self.frozen_target = target
+        config = self.drafter_config
+        if config.draft_vocab != config.vocab_size and stage == "fit":
+            self._prepare_vocab_map()
+
+    def _prepare_vocab_map(self) -> None:
+        """Build the reduced vocabulary from the training shards (fresh runs) or check its key (resumed runs)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            raise ValueError("a reduced draft vocabulary is counted on the training shards: use a DrafterDataModule")
+        train_dir = datamodule.config.train_dir
+        d2t, t2d, key, coverage = build_vocab_map(train_dir, self.drafter_config.draft_vocab)
+        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
+        self._vocab_key = key
+        self.drafter_config = replace(self.drafter_config, vocab_map_key=key)
+        self.drafter.config = self.drafter_config
+        print(f"draft vocabulary: {self.drafter_config.draft_vocab} tokens cover {coverage:.1%} of {train_dir}")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["drafter_config"] = asdict(self.drafter.config)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("drafter_config", {}).get("vocab_map_key", "")
+        current = self._vocab_key
+        if saved and current and saved != current:
+            raise ValueError(
+                f"the checkpoint's draft vocabulary was counted on another dataset (key {saved[:12]}), not the "
+                f"training data configured now (key {current[:12]}); train a new drafter for this data"
+            )
+
+    def on_fit_start(self) -> None:
+        if self.frozen_target is not None and self.frozen_target.device != self.device:
+            mover = getattr(self.frozen_target, "to", None)
+            if mover is None:
+                raise ValueError(f"target {self.target_name!r} sits on {self.frozen_target.device}, not {self.device}")
+            mover(self.device)
+        if self.global_rank == 0:
+            print(
+                f"drafter: {self.drafter_config.architecture}, {count_parameters(self.drafter) / 1e6:.2f} M trainable "
+                f"parameters, for target {self.target_name!r}"
+            )
+
+    # ------------------------------------------------------------------------- steps
+
+    def _generator(self) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
+        return generator
+
+    def compute(self, batch: dict[str, Any], training: bool) -> ObjectiveOutput:
+        assert self.frozen_target is not None, "setup() loads the target"
+        generator = self._generator() if training else None
+        return drafter_objective(
+            self.drafter, self.frozen_target, batch, self.objective, training=training, generator=generator
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        self._step_seconds = None if self._last_batch_start is None else now - self._last_batch_start
+        self._last_batch_start = now
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        out = self.compute(batch, training=True)
+        size = len(batch["keys"])
+        self._log_output("train", out, size)
+        if self._step_seconds:
+            self.log("train/tokens_per_s", out.tokens / self._step_seconds, batch_size=size)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        out = self.compute(batch, training=False)
+        self._log_output("val", out, len(batch["keys"]))
+
+    def _log_output(self, stage: str, out: ObjectiveOutput, size: int) -> None:
+        on_step = stage == "train"
+        logs: dict[str, Tensor] = {f"{stage}/loss": out.loss.detach(), f"{stage}/tau_sim": out.tau}
+        for name, values in (("ce", out.ce), ("feature", out.feature), ("cfg_ce", out.cfg_ce), ("acc", out.accuracy)):
+            logs.update({f"{stage}/{name}_{k}": value for k, value in enumerate(values)})
+        if out.convergent_fraction is not None:
+            logs[f"{stage}/convergent_fraction"] = out.convergent_fraction
+        self.log_dict(logs, on_step=on_step, on_epoch=not on_step, sync_dist=not on_step, batch_size=size)
+        self.log(f"{stage}/tau", out.tau, prog_bar=True, on_step=on_step, on_epoch=not on_step, batch_size=size,
+                 sync_dist=not on_step, logger=False)  # fmt: skip
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norms = grad_norm(self.drafter, norm_type=2)
+        if norms:
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    # ------------------------------------------------------------------------- optimizer
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        config = self.optimizer_config
+        parameters = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        total = config.total_steps or int(self.trainer.estimated_stepping_batches)
+        schedule = functools.partial(
+            lr_factor, warmup=config.warmup_steps, total=total, schedule=config.schedule, min_ratio=config.min_lr_ratio
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------- export
+
+    def export_drafter(self, folder: str | Path) -> Path:
+        """Write the drafter alone (config.json + model.safetensors), loadable by `inference.eagle.EagleDrafter`."""
+        return self.drafter.save_pretrained(folder)
+
+
+class DrafterDataModule(FeatureDataModule):
+    """The feature stream for drafter training, configured by plain arguments (for YAML / LightningCLI).
+
+    With `extract_config` set, a missing dataset is extracted first (`prepare_data`, once per node),
+    so `python training/fit.py --config demo` runs on a fresh machine.
+
+    Args:
+        train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
+            load_uncond, on_error: see `data.datamodule.DataConfig`.
+        target: registry name of the target the features must come from (linked to model.target by fit.py).
+        extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
+        extract_overrides: key=value overrides for that extraction (e.g. prompts.count=512).
+    """
+
+    def __init__(
+        self,
+        train_dir: str,
+        val_dir: str | None = None,
+        num_val_shards: int = 0,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        shuffle_buffer: int = 16,
+        seed: int = 0,
+        load_aux: bool = True,
+        load_uncond: bool = False,
+        on_error: str = "raise",
+        target: str = "toy",
+        extract_config: str | None = None,
+        extract_overrides: list[str] | None = None,
+    ) -> None:
+        config = DataConfig(
+            train_dir=train_dir,
+            val_dir=val_dir,
+            num_val_shards=num_val_shards,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
+            load_aux=load_aux,
+            load_uncond=load_uncond,
+            on_error=on_error,
+        )
+        L.LightningDataModule.__init__(self)  # FeatureDataModule's init wants the target; it loads in setup
+        self.config = config
+        self.target = None  # type: ignore[assignment]
+        self.train_stream = self.val_stream = None
+        self.target_name = target
+        self.extract_config = extract_config
+        self.extract_overrides = list(extract_overrides or [])
+
+    def prepare_data(self) -> None:
+        manifest = Path(self.config.train_dir) / "manifest.json"
+        if manifest.exists():
+            return
+        if self.extract_config is None:
+            raise FileNotFoundError(
+                f"{manifest} not found: extract features first (python -m data.extract --config ...) "
+                "or set data.extract_config to extract them automatically"
+            )
+        from data.extract import load_config, run_extraction
+
+        overrides = [f"out_dir={self.config.train_dir}", f"target={self.target_name}", *self.extract_overrides]
+        config = load_config(resolve_config_path(self.extract_config), overrides)
+        print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
+        if run_extraction(config, shared_target(self.target_name), rank=0, world_size=1) is None:
+            raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
+            self.target = TargetIdentity.from_target(shared_target(self.target_name))
+        super().setup(stage)
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A config file path, or a bare name looked up in the repository's `configs/` (`demo` -> configs/demo.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for candidate in (configs / path, configs / f"{path}.yaml", configs / f"{path}.yml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in configs.glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a name in {configs}; known names: {known}")
