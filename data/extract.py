@@ -9,8 +9,8 @@
 Per sample: the target samples an image with its own sampling settings and CFG (`generate_ar`),
 then one teacher-forced pass over the [cond; uncond] rows (prefill + forward over tokens 0..G-2)
 records, for every image token j, the last-layer post-norm hidden state that predicts it (and on
-request the EAGLE-3 auxiliary streams and the unconditional row's state). See data/shards.py for
-the shard layout.
+request the EAGLE-3 auxiliary streams, the unconditional row's state and, with both, the unconditional
+row's auxiliary streams). See data/shards.py for the shard layout.
 
 Determinism and resumption. Global sample s uses prompt s // samples_per_prompt. Shard i holds
 samples [i S, (i + 1) S) and is cut into batches of `batch_size` consecutive samples; the batch
@@ -56,6 +56,7 @@ from data.shards import (
     ShardInfo,
     ShardWriter,
     TargetIdentity,
+    field_widths,
     iter_raw_samples,
     sample_key,
     shard_name,
@@ -92,7 +93,7 @@ class ExtractConfig:
     store_aux: bool = True
     """Record the EAGLE-3 auxiliary streams (L, 3D)."""
     store_uncond: bool = False
-    """Record the unconditional row's features (L, D); needs CFG."""
+    """Record the unconditional row's features (L, D), and with store_aux its auxiliary streams (L, 3D); needs CFG."""
     feature_dtype: str = "float16"
     """float16 or float32 (numpy's .npy has no bfloat16)."""
     cfg_scale: float | None = None
@@ -165,8 +166,10 @@ def extract_batch(
     """Sample one image per prompt, then record the features that predicted each of its tokens.
 
     Returns:
-        tokens (B, G) int64, hidden (B, G, D) and optionally aux (B, G, 3D) and uncond_hidden (B, G, D),
-        in the target's dtype. Row j predicts token j: image_head(hidden[:, j]) gives its conditional logits.
+        tokens (B, G) int64, hidden (B, G, D) and optionally aux (B, G, 3D) (store_aux), uncond_hidden
+        (B, G, D) (store_uncond) and uncond_aux (B, G, 3D) (both), in the target's dtype. Row j predicts
+        token j: image_head(hidden[:, j]) gives its conditional logits, image_head(uncond_hidden[:, j])
+        its unconditional ones.
     """
     cfg = settings.cfg_scale != 1.0
     if store_uncond and not cfg:
@@ -190,9 +193,12 @@ def extract_batch(
     if store_aux:
         if not aux:
             raise ValueError(f"target {target.name!r} returned no auxiliary streams; set store_aux: false")
-        out["aux"] = torch.cat(aux, dim=1)[:num_prompts]  # (B, G, 3D)
+        streams = torch.cat(aux, dim=1)  # (R, G, 3D)
+        out["aux"] = streams[:num_prompts]  # (B, G, 3D)
     if store_uncond:
         out["uncond_hidden"] = states[num_prompts:]  # (B, G, D)
+        if store_aux:
+            out["uncond_aux"] = streams[num_prompts:]  # (B, G, 3D)
     return out
 
 
@@ -218,15 +224,15 @@ def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
     """Load the prompts and describe the dataset this config produces (the manifest without shards)."""
     prompts = load_prompts(config.prompts)
     settings = config.sampling_settings(target)
-    width = target.hidden_size
-    fields = {
-        "tokens": FieldSpec("int16" if target.image_vocab_size <= 2**15 else "int32", None),
-        "hidden": FieldSpec(config.feature_dtype, width),
+    widths = field_widths(TargetIdentity.from_target(target))
+    stored = {
+        "hidden": True,
+        "aux": config.store_aux,
+        "uncond_hidden": config.store_uncond,
+        "uncond_aux": config.store_aux and config.store_uncond,
     }
-    if config.store_aux:
-        fields["aux"] = FieldSpec(config.feature_dtype, len(target.aux_layer_ids) * width)
-    if config.store_uncond:
-        fields["uncond_hidden"] = FieldSpec(config.feature_dtype, width)
+    fields = {"tokens": FieldSpec("int16" if target.image_vocab_size <= 2**15 else "int32", None)}
+    fields.update({name: FieldSpec(config.feature_dtype, widths[name]) for name, on in stored.items() if on})
     texts = hashlib.sha256("\n".join(f"{p.id}\t{p.text}" for p in prompts).encode()).hexdigest()
     header = Manifest(
         target=TargetIdentity.from_target(target),

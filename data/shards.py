@@ -8,10 +8,16 @@ A dataset is a folder holding `manifest.json` and `shard-NNNNNN.tar` files (see 
     000000042.hidden.npy          (L, D) fp16        conditional last-layer post-norm features
     000000042.aux.npy             (L, 3D) fp16       optional EAGLE-3 low, mid, high residual streams
     000000042.uncond_hidden.npy   (L, D) fp16        optional unconditional-row features
+    000000042.uncond_aux.npy      (L, 3D) fp16       optional unconditional-row EAGLE-3 streams
     000000042.json                                   index, prompt_id, prompt, seed, length
 
-Row j of every feature is the state at the position whose logits give image token j, so the frozen
-head recomputes token j's logits from row j; no logits are stored.
+`uncond_aux` is written when both the auxiliary streams and the unconditional features are
+requested; datasets without it (or without any optional field) stay readable, since readers take the
+fields the manifest lists.
+
+Row j of every feature is the state at the position whose logits give image token j (in the
+unconditional CFG row for the `uncond_` fields), so the frozen head recomputes token j's logits from
+row j; no logits are stored.
 
 Why raw `.npy` and not safetensors or pickle: a `.npy` member is a short header plus the raw array
 bytes, so `decode_npy` returns an `np.frombuffer` view of the bytes read from the tar, with no copy
@@ -34,7 +40,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ import webdataset as wds
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden")
+FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
 """Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
@@ -458,21 +464,25 @@ def iter_raw_samples(
     stop: int | None = None,
     suffixes: set[str] | None = None,
     pool: BufferPool | None = None,
+    positions: Container[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Samples `start .. stop - 1` of a shard as `{"__key__": key, "<field>.npy": bytes, "json": bytes}`.
 
     With a `pool`, large members are memoryviews of pooled buffers, listed under "__buffers__".
 
-    Samples before `start` and members whose suffix is not in `suffixes` are skipped by seeking,
-    so reading part of a shard, or a few of its fields, costs only what is read.
+    Samples before `start`, samples whose position (0 = the shard's first sample) is not in
+    `positions` when it is given, and members whose suffix is not in `suffixes` are skipped by
+    seeking, so reading part of a shard, or a few of its fields, costs only what is read.
     """
     path = Path(path)
     cursor = _Cursor()
 
+    def wanted(position: int) -> bool:
+        return start <= position and (stop is None or position < stop) and (positions is None or position in positions)
+
     def keep(name: str) -> bool:
         key, suffix = _split_member(path, name)
-        position = cursor.see(key)
-        return start <= position and (stop is None or position < stop) and (suffixes is None or suffix in suffixes)
+        return wanted(cursor.see(key)) and (suffixes is None or suffix in suffixes)
 
     skipping = sha256 is None  # hashing reads every byte, so nothing can be skipped
     current: dict[str, Any] = {}
@@ -484,7 +494,7 @@ def iter_raw_samples(
             current = {}
         if stop is not None and position >= stop:
             return
-        if position < start:
+        if not wanted(position):
             continue
         if suffix in current:
             raise ShardError(f"{path}: sample {key} holds {suffix!r} twice")
@@ -544,6 +554,10 @@ def decode_sample(raw: dict[str, Any], fields: dict[str, FieldSpec], num_tokens:
 def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bool = True) -> dict[str, int]:
     """Re-read every shard of a dataset: sha256, counts, fields, dtypes, shapes and finiteness.
 
+    Every field the manifest lists (FEATURE_FIELDS: the optional aux, uncond_hidden and uncond_aux
+    too) is decoded and checked for NaN/Inf in every sample, and the manifest's field widths are
+    checked against its target (D, or 3D for the auxiliary streams).
+
     Returns:
         {"shards": ..., "samples": ..., "bytes": ...} when everything checks out.
 
@@ -554,7 +568,9 @@ def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bo
 
     folder = Path(folder)
     manifest = load_manifest(folder)
-    problems: list[str] = []
+    problems = _check_fields(manifest, str(folder / MANIFEST_NAME))
+    if not {"tokens", "hidden"} <= set(manifest.fields):  # samples cannot be checked without them
+        raise ValueError(f"{folder}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     seen: set[str] = set()
     total_samples = total_bytes = 0
     bar = tqdm(manifest.shards, desc="validate", unit="shard", disable=not progress)
@@ -586,6 +602,26 @@ def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bo
         shown = "\n  ".join(problems[:50])
         raise ValueError(f"{folder}: {len(problems)} problem(s):\n  {shown}")
     return {"shards": len(manifest.shards), "samples": total_samples, "bytes": total_bytes}
+
+
+def field_widths(target: TargetIdentity) -> dict[str, int | None]:
+    """The row width of every field of FEATURE_FIELDS for a target (None: a 1-D field)."""
+    hidden, aux = target.hidden_size, len(target.aux_layer_ids) * target.hidden_size
+    return {"tokens": None, "hidden": hidden, "aux": aux, "uncond_hidden": hidden, "uncond_aux": aux}
+
+
+def _check_fields(manifest: Manifest, source: str) -> list[str]:
+    """The manifest's field list against FEATURE_FIELDS and the widths its target implies."""
+    widths, problems = field_widths(manifest.target), []
+    for name in ("tokens", "hidden"):
+        if name not in manifest.fields:
+            problems.append(f"{source}: lacks the required field {name!r}")
+    for name, spec in manifest.fields.items():
+        if name not in widths:
+            problems.append(f"{source}: unknown field {name!r} (known fields: {', '.join(FEATURE_FIELDS)})")
+        elif spec.width != widths[name]:
+            problems.append(f"{source}: field {name!r} has width {spec.width}, its target needs {widths[name]}")
+    return problems
 
 
 def _check_sample(sample: dict[str, Any], info: ShardInfo, path: Path, seen: set[str], check_finite: bool) -> list[str]:

@@ -47,15 +47,17 @@ IDENTITY = TargetIdentity(
 )
 
 
-def write_dataset(folder, counts: list[int], lengths=lambda index: 6) -> Manifest:
-    """Shards holding `counts` samples; sample i has lengths(i) tokens and hidden[t] = i + t / 100."""
+def write_dataset(folder, counts: list[int], lengths=lambda index: 6, optional=("aux",)) -> Manifest:
+    """Shards holding `counts` samples; sample i has lengths(i) tokens and hidden[t] = i + t / 100.
+
+    `optional` lists the optional fields to store: aux is all ones, uncond_hidden is -hidden and
+    uncond_aux is all twos.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     width = IDENTITY.hidden_size
-    fields = {
-        "tokens": FieldSpec("int16", None),
-        "hidden": FieldSpec("float16", width),
-        "aux": FieldSpec("float16", 3 * width),
-    }
+    widths = {"aux": 3 * width, "uncond_hidden": width, "uncond_aux": 3 * width}
+    fields = {"tokens": FieldSpec("int16", None), "hidden": FieldSpec("float16", width)}
+    fields.update({name: FieldSpec("float16", widths[name]) for name in optional})
     manifest = Manifest(
         target=IDENTITY,
         sampling={},
@@ -71,11 +73,13 @@ def write_dataset(folder, counts: list[int], lengths=lambda index: 6) -> Manifes
         for index in range(first, first + count):
             length = lengths(index)
             hidden = (index + np.arange(length)[:, None] / 100 + np.zeros(width)).astype(np.float16)
-            arrays = {
-                "tokens": np.full(length, index % 64, np.int16),
-                "hidden": hidden,
+            extra = {
                 "aux": np.ones((length, 3 * width), np.float16),
+                "uncond_hidden": -hidden,
+                "uncond_aux": np.full((length, 3 * width), 2, np.float16),
             }
+            arrays = {"tokens": np.full(length, index % 64, np.int16), "hidden": hidden}
+            arrays.update({name: extra[name] for name in optional})
             meta = {"index": index, "prompt_id": f"p:{index}", "prompt": f"prompt {index}", "seed": 0, "length": length}
             writer.write(sample_key(index), arrays, meta)
         manifest.shards.append(writer.commit(first_index=first))
@@ -196,6 +200,26 @@ def test_datamodule_holds_out_val_shards_and_checks_fields(tmp_path):
     assert val == ["000000008", "000000009"] and sorted(train) == [sample_key(i) for i in range(8)]
     with pytest.raises(ValueError, match=r"no \['uncond_hidden'\] features"):
         FeatureDataModule(DataConfig(train_dir=str(tmp_path), load_uncond=True), IDENTITY).setup("fit")
+
+
+def test_unconditional_features_load_with_uncond_aux_when_present(tmp_path):
+    everything = ("aux", "uncond_hidden", "uncond_aux")
+    write_dataset(tmp_path / "new", [3], optional=everything)
+    write_dataset(tmp_path / "old", [3], optional=("aux", "uncond_hidden"))  # extracted before uncond_aux existed
+    cases = [
+        ("new", dict(load_uncond=True), {"aux", "uncond_hidden", "uncond_aux"}),
+        ("new", dict(load_uncond=True, load_aux=False), {"uncond_hidden"}),
+        ("new", dict(), {"aux"}),
+        ("old", dict(load_uncond=True), {"aux", "uncond_hidden"}),
+    ]
+    for folder, settings, expected in cases:
+        data = stream(tmp_path / folder, shuffle=False, **settings)
+        assert set(data.fields) == {"tokens", "hidden"} | expected, (folder, settings)
+        batch = next(iter(data))
+        assert set(everything) & set(batch) == expected
+    batch = next(iter(stream(tmp_path / "new", shuffle=False, load_uncond=True)))
+    assert batch["uncond_aux"].shape == (3, 6, 24) and batch["uncond_aux"].dtype == torch.float16
+    assert (batch["uncond_aux"] == 2).all() and torch.equal(batch["uncond_hidden"], -batch["hidden"])
 
 
 def test_truncated_shard_raises_naming_it(tmp_path):

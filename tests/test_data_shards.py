@@ -11,9 +11,18 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
-from data.extract import ExtractConfig, derive_seed, extract_batch, load_config, main, run_extraction
+from data.extract import (
+    ExtractConfig,
+    build_job,
+    derive_seed,
+    extract_batch,
+    load_config,
+    main,
+    run_extraction,
+)
 from data.prompts import PromptSetConfig, load_prompts
 from data.shards import (
+    FieldSpec,
     ShardError,
     ShardWriter,
     decode_npy,
@@ -27,6 +36,7 @@ from data.shards import (
 )
 from inference.generate import generate_ar
 from inference.sampling import combine_cfg
+from models.target import Conditioning
 
 
 def tiny_config(out_dir, count: int = 6, **overrides) -> ExtractConfig:
@@ -89,10 +99,56 @@ def test_extract_batch_row_j_predicts_token_j(tiny_target):
     assert torch.equal(logits.argmax(-1), out["tokens"])
 
 
+def test_uncond_aux_is_the_unconditional_rows_auxiliary_streams(tiny_target):
+    """uncond_aux row j equals the aux of a separate token-by-token pass over the unconditional rows alone."""
+    settings = tiny_target.sampling
+    prompts = [p.text for p in load_prompts(PromptSetConfig(source="toy", count=2))]
+    out = extract_batch(tiny_target, prompts, settings, torch.Generator().manual_seed(1), store_uncond=True)
+    num_tokens, width = tiny_target.geometry.num_tokens, tiny_target.hidden_size
+    assert out["uncond_aux"].shape == (2, num_tokens, 3 * width)
+    full = tiny_target.condition(prompts, cfg=True)
+    uncond = Conditioning(
+        inputs_embeds=full.inputs_embeds[2:],
+        valid=full.valid[2:],
+        positions=full.positions if full.positions.dim() == 1 else full.positions[2:],
+        num_prompts=2,
+        cfg=False,
+    )
+    cache = tiny_target.allocate_cache(2, tiny_target.prefix_length + num_tokens)
+    streams = [tiny_target.prefill(uncond, cache, return_aux=True).aux[:, -1:]]  # (2, 1, 3D): predicts token 0
+    for j in range(1, num_tokens):  # the state fed token j - 1 predicts token j
+        position = tiny_target.image_positions(torch.tensor([j - 1]))
+        streams.append(tiny_target.forward(out["tokens"][:, j - 1 : j], position, cache, return_aux=True).aux)
+    torch.testing.assert_close(out["uncond_aux"], torch.cat(streams, dim=1), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out["uncond_aux"], out["aux"])  # really the other half of the CFG batch
+    without_aux = extract_batch(
+        tiny_target, prompts, settings, torch.Generator().manual_seed(1), store_aux=False, store_uncond=True
+    )
+    assert set(without_aux) == {"tokens", "hidden", "uncond_hidden"}
+    torch.testing.assert_close(without_aux["uncond_hidden"], out["uncond_hidden"])
+
+
+@pytest.mark.parametrize("store_aux", [False, True])
+@pytest.mark.parametrize("store_uncond", [False, True])
+def test_manifest_lists_uncond_aux_only_with_aux_and_uncond(tmp_path, tiny_target, store_aux, store_uncond):
+    job = build_job(tiny_config(tmp_path, store_aux=store_aux, store_uncond=store_uncond), tiny_target)
+    stored = {"aux": store_aux, "uncond_hidden": store_uncond, "uncond_aux": store_aux and store_uncond}
+    assert set(job.header.fields) == {"tokens", "hidden"} | {name for name, on in stored.items() if on}
+
+
+def test_validate_checks_field_names_and_widths(extracted):
+    folder, manifest = extracted
+    manifest.fields["uncond_aux"] = FieldSpec("float16", 32)  # the width of hidden, not of the three streams
+    write_atomic(folder / "manifest.json", manifest.to_json())
+    with pytest.raises(ValueError, match=r"manifest.json: field 'uncond_aux' has width 32, its target needs 96"):
+        validate_dataset(folder, progress=False)
+
+
 def test_round_trip_matches_generation_and_validates(extracted, tiny_target):
     folder, manifest = extracted
     assert [s.num_samples for s in manifest.shards] == [4, 2] and manifest.num_samples == 6
-    assert set(manifest.fields) == {"tokens", "hidden", "aux", "uncond_hidden"}
+    assert set(manifest.fields) == {"tokens", "hidden", "aux", "uncond_hidden", "uncond_aux"}
+    assert manifest.fields["uncond_aux"] == manifest.fields["aux"]  # float16, 3D wide
     assert manifest.fields["hidden"].dtype == "float16" and manifest.fields["tokens"].dtype == "int16"
     assert validate_dataset(folder, progress=False) == {
         "shards": 2,
@@ -109,6 +165,8 @@ def test_round_trip_matches_generation_and_validates(extracted, tiny_target):
         assert sample["meta"]["prompt"] == prompts[2 + row].text and sample["meta"]["seed"] == derive_seed(3, 2)
         np.testing.assert_array_equal(sample["tokens"], first[row].numpy())
         assert sample["hidden"].shape == (16, 32) and sample["aux"].shape == (16, 96)
+        assert sample["uncond_hidden"].shape == (16, 32) and sample["uncond_aux"].shape == (16, 96)
+        assert not np.array_equal(sample["uncond_aux"], sample["aux"])
     assert not list(folder.glob("*.partial"))
 
 
@@ -128,7 +186,8 @@ def test_rerun_with_changed_settings_is_refused(extracted, tiny_target):
         run_extraction(tiny_config(folder, seed=4), target=tiny_target, progress=False)
 
 
-def test_validate_names_shard_key_and_field_of_nan_features(extracted, capsys):
+@pytest.mark.parametrize("field", ["aux", "uncond_aux"])
+def test_validate_names_shard_key_and_field_of_nan_features(extracted, capsys, field):
     folder, manifest = extracted
     info = manifest.shards[1]
     raws = [dict(raw) for raw in iter_raw_samples(folder / info.name)]
@@ -136,11 +195,11 @@ def test_validate_names_shard_key_and_field_of_nan_features(extracted, capsys):
     for raw in raws:
         arrays = {name: decode_npy(raw[f"{name}.npy"]).copy() for name in manifest.fields}
         if raw["__key__"] == "000000005":
-            arrays["aux"][3, 7] = np.nan
+            arrays[field][3, 7] = np.nan
         writer.write(raw["__key__"], arrays, json.loads(raw["json"]))
     manifest.shards[1] = writer.commit(first_index=info.first_index)
     write_atomic(folder / "manifest.json", manifest.to_json())
-    with pytest.raises(ValueError, match=r"shard-000001.tar: sample 000000005, field 'aux': 1 non-finite"):
+    with pytest.raises(ValueError, match=rf"shard-000001.tar: sample 000000005, field '{field}': 1 non-finite"):
         validate_dataset(folder, progress=False)
     assert main(["--validate", str(folder), "--no-progress"]) == 1
     assert "non-finite" in capsys.readouterr().err
