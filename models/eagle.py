@@ -142,6 +142,10 @@ def drafter_preset(name: str, architecture: str, **overrides: Any) -> DrafterCon
     """A drafter config for a known target shape: tiny (tests), toy, llamagen-xl, janus-pro-7b, lumina-mgpt-7b."""
     if name not in _SHAPES:
         raise ValueError(f"unknown drafter preset {name!r}; known presets: {', '.join(_SHAPES)}")
+    known = {f.name for f in fields(DrafterConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown drafter config keys {unknown}; known keys: {sorted(known)}")
     hidden, heads, kv_heads, ffn, vocab = _SHAPES[name]
     base = DrafterConfig(
         architecture=architecture,

@@ -32,6 +32,13 @@ class ExportDrafter(Callback):
     """Writes `<run dir>/drafter` (the drafter alone, self-describing) when training ends."""
 
     def on_train_end(self, trainer: Any, pl_module: DrafterSystem) -> None:
+        checkpoint = trainer.checkpoint_callback
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath:
+            # ModelCheckpoint writes last.ckpt only on its own schedule; make it the final step for --ckpt_path last
+            last = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
+            if checkpoint._last_global_step_saved != trainer.global_step:
+                trainer.save_checkpoint(last)
+                checkpoint.last_model_path = str(last)
         if trainer.is_global_zero and trainer.log_dir:
             path = pl_module.export_drafter(Path(trainer.log_dir) / "drafter")
             print(f"exported the drafter to {path}")
@@ -60,7 +67,8 @@ class ConfigCheckCLI(DrafterCLI):
     """Parses a config and builds model and data, but no Trainer: checks GPU configs on any machine."""
 
     def instantiate_classes(self) -> None:
-        self.config_init = self.parser.instantiate_classes(self.config)
+        instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
+        self.config_init = instantiate(self.config)
         self.model = self.config_init["model"]
         self.datamodule = self.config_init["data"]
 
@@ -85,6 +93,15 @@ def resolve_config_names(argv: list[str]) -> list[str]:
 
 def build_cli(argv: list[str], **kwargs: Any) -> DrafterCLI:
     """Parse `argv` and instantiate trainer, model and data (nothing heavy: the target loads in setup)."""
+    saved_argv = sys.argv  # LightningCLI warns when both `args` and sys.argv hold arguments; DDP relaunches
+    sys.argv = sys.argv[:1]  # read sys.argv later, so it is restored right after parsing
+    try:
+        return _build_cli(argv, **kwargs)
+    finally:
+        sys.argv = saved_argv
+
+
+def _build_cli(argv: list[str], **kwargs: Any) -> DrafterCLI:
     return DrafterCLI(
         DrafterSystem,
         DrafterDataModule,
@@ -117,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         results = trainer.validate(system, datamodule=data, verbose=False)
         before = results[0].get("val/tau_sim") if results else None
     trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)
+    validates = trainer.limit_val_batches != 0 and data.config.num_val_shards + (data.config.val_dir is not None) > 0
+    if validates and system.last_validated_step != trainer.global_step:  # the summary reports the final drafter
+        trainer.validate(system, datamodule=data, verbose=False)
     if trainer.is_global_zero:
         summarize(trainer, before)
     return 0

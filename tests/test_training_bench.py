@@ -1,0 +1,83 @@
+"""The Lightning-overhead benchmark (training/bench.py): it compares like with like, and its CLI prints
+the figures. Tiny settings (batch 2, 2 TTT steps, a few steps): a few seconds in all."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from training import bench
+from training.objective import drafter_objective
+from training.system import DrafterSystem, OptimizerConfig, shared_target
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def build_system(architecture: str = "eagle3", cfg_loss: bool = False) -> DrafterSystem:
+    objective = bench.objective_for(architecture, 2, cfg_loss)
+    system = DrafterSystem(architecture=architecture, objective=objective, optimizer=OptimizerConfig(lr=1e-3))
+    system.setup("fit")
+    return system
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+def test_synthetic_batch_has_the_collated_shapes(cfg: bool):
+    target = shared_target("toy")
+    batch = bench.synthetic_batch(target, 3, cfg=cfg)
+    length, width = target.geometry.num_tokens, target.hidden_size
+    assert batch["tokens"].shape == (3, length) and batch["tokens"].dtype == torch.int64
+    assert batch["hidden"].shape == (3, length, width) and batch["hidden"].dtype == torch.float16
+    assert batch["aux"].shape == (3, length, 3 * width)
+    assert batch["loss_mask"].shape == (3, length) and bool(batch["loss_mask"].all())
+    assert len(batch["keys"]) == 3
+    assert ("uncond_hidden" in batch) == cfg and ("uncond_aux" in batch) == cfg
+    if cfg:
+        assert batch["uncond_aux"].shape == batch["aux"].shape
+
+
+@pytest.mark.parametrize(("architecture", "cfg_loss"), [("eagle3", False), ("eagle3", True), ("eagle1", False)])
+def test_the_objective_runs_on_the_synthetic_batch(architecture: str, cfg_loss: bool):
+    system = build_system(architecture, cfg_loss)
+    batch = bench.synthetic_batch(system.frozen_target, 2, cfg=cfg_loss)
+    out = drafter_objective(system.drafter, system.frozen_target, batch, system.objective, training=True)
+    assert torch.isfinite(out.loss) and len(out.ce) == 2
+    assert bool(out.cfg_ce) == cfg_loss
+
+
+def test_plain_and_lightning_steps_do_the_same_work():
+    """From the same weights, on the same batch, both loops give the same losses step after step."""
+    batch = bench.synthetic_batch(shared_target("toy"), 2, cfg=False)
+    plain_losses: list[float] = []
+    lightning_losses: list[float] = []
+    plain = bench.plain_steps(build_system(), batch, warmup=1, steps=3, losses=plain_losses)
+    steps, periods = bench.lightning_steps(build_system(), batch, warmup=1, steps=3, losses=lightning_losses)
+    assert len(plain) == len(steps) == 3 and len(periods) == 2  # the last step has no next start
+    assert all(t > 0 for t in plain + steps + periods)
+    assert len(plain_losses) == len(lightning_losses) == 4
+    assert plain_losses[0] != plain_losses[-1]  # the optimizer did step
+    assert plain_losses == pytest.approx(lightning_losses, rel=1e-4)
+
+
+def test_the_cli_prints_both_step_times_and_the_ratio(capsys: pytest.CaptureFixture[str]):
+    argv = ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--ttt-steps", "2", "--cfg-loss"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    for text in (f"torch {torch.__version__}", "threads: torch 1", "aux (2, 64, 384)", "uncond_aux (2, 64, 384)",
+                 "ttt_steps 2", "plain", "lightning", "ratio lightning / plain:"):  # fmt: skip
+        assert text in out, out
+    ratio = float(out.split("ratio lightning / plain:")[1].split()[0])
+    assert 0.3 < ratio < 5  # sanity only: a 2-core shared machine times nothing precisely
+
+
+def test_the_summary_is_median_and_quartiles():
+    assert bench.summary([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0, 4.0)
+    assert bench.summary([2.0]) == (2.0, 2.0, 2.0)
