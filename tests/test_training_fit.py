@@ -176,7 +176,10 @@ def test_print_config_shows_the_resolved_config(capsys: pytest.CaptureFixture[st
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["objective"]["ttt_steps"] == 3
-    assert printed["trainer"]["max_steps"] == 600
+    assert (
+        printed["trainer"]["max_steps"]
+        == yaml.safe_load(resolve_config_path("demo").read_text())["trainer"]["max_steps"]
+    )
 
 
 # ----------------------------------------------------------------------------- end to end
