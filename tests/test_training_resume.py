@@ -100,3 +100,32 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(tiny_dataset, tmp_path)
         assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6), f"step {step}"
     losses = [whole.steps[s][0] for s in sorted(whole.steps)]
     assert len(set(losses)) == len(losses)  # the check compares something that changes
+
+
+def test_reduced_vocabulary_is_counted_on_the_shards_and_a_stale_map_is_refused(tiny_dataset, tmp_path):
+    from training.vocab import count_image_tokens, dataset_fingerprint
+
+    def system() -> DrafterSystem:
+        return DrafterSystem(target="tiny-toy", architecture="eagle3", preset="tiny", drafter={"draft_vocab_size": 16},
+                             objective=ObjectiveConfig(ttt_steps=2))  # fmt: skip
+
+    def trainer(steps: int) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+        return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[checkpoint])  # fmt: skip
+
+    first = system()
+    trainer(2).fit(first, datamodule=DrafterDataModule(train_dir=str(tiny_dataset), batch_size=2, target="tiny-toy"))
+    counts = count_image_tokens(tiny_dataset, progress=False)
+    kept = torch.arange(16) + first.drafter.d2t
+    assert first.drafter.t2d.sum() == 16 and first.drafter.t2d[kept].all()
+    assert counts[kept].min() >= counts[~first.drafter.t2d].max()  # the 16 most frequent tokens
+    assert first.drafter.config.vocab_map_key == dataset_fingerprint(tiny_dataset)
+
+    other = tmp_path / "other"  # different data: same target, other prompts
+    config = ExtractConfig(out_dir=str(other), prompts=PromptSetConfig(source="toy", count=4, seed=9),
+                           samples_per_shard=4, batch_size=4, seed=5, store_aux=True)  # fmt: skip
+    run_extraction(config, target=shared_target("tiny-toy"), rank=0, world_size=1, progress=False)
+    data = DrafterDataModule(train_dir=str(other), batch_size=2, target="tiny-toy")
+    with pytest.raises(ValueError, match="counted on another dataset"):
+        trainer(4).fit(system(), datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
