@@ -273,6 +273,9 @@ class DraftLayer(nn.Module):
 class EagleDraftModel(nn.Module):
     """An EAGLE-1 or EAGLE-3 draft head; the target's embedding (and EAGLE-1's head) come from outside."""
 
+    d2t: Tensor  # (Vd,) int64 buffer (EAGLE-3): image token id of draft id i is i + d2t[i]
+    t2d: Tensor  # (V,) bool buffer (EAGLE-3): which image tokens the draft vocabulary holds
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config

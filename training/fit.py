@@ -31,7 +31,7 @@ from training.system import DrafterDataModule, DrafterSystem, resolve_config_pat
 class ExportDrafter(Callback):
     """Writes `<run dir>/drafter` (the drafter alone, self-describing) when training ends."""
 
-    def on_train_end(self, trainer: Any, pl_module: DrafterSystem) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         checkpoint = trainer.checkpoint_callback
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath:
             # ModelCheckpoint writes last.ckpt only on its own schedule; make it the final step for --ckpt_path last

@@ -253,7 +253,7 @@ class DrafterSystem(L.LightningModule):
 
     # ------------------------------------------------------------------------- optimizer
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> Any:
         config = self.optimizer_config
         parameters = [p for p in self.drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
