@@ -191,7 +191,8 @@ def _commit(
     pad = torch.full((batch, 1), -1, dtype=torch.long, device=bonus.device)
     path = torch.cat([tree.paths[rows, verdict_last], pad], dim=1)[:, : width + 1]  # (B, width + 1)
     on_path = path[:, :width] >= 0
-    cache.keep_columns(tree_start, to_rows(tree_start + path[:, :width].clamp_min(0), cfg), to_rows(on_path, cfg))
+    keep = on_path & live[:, None]  # a finished image's root would otherwise stay valid every step and fill the cache
+    cache.keep_columns(tree_start, to_rows(tree_start + path[:, :width].clamp_min(0), cfg), to_rows(keep, cfg))
     step = torch.arange(width, device=bonus.device).expand(batch, -1)  # (B, width)
     following = tree.tokens.gather(1, path[:, 1:].clamp_min(0))  # token after each path node
     following = torch.where(step == num_accepted[:, None], bonus[:, None], following)

@@ -243,3 +243,27 @@ def test_draft_attention_mask_combines_context_validity_and_the_tree():
     mask = build_draft_attention_mask(cache, torch.ones(1, 2, dtype=torch.bool), tree_start=3, tree_mask=tree_mask)
     expected = torch.tensor([[[1, 0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 1, 0, 1]]], dtype=torch.bool)
     assert torch.equal(mask, expected)
+
+
+class _RowSplitDrafter(OracleDrafter):
+    """The oracle for prompt 0 (its images finish in a few steps), the always-wrong drafter for the others."""
+
+    def forward(self, features, tokens, positions, cache, **kwargs):
+        out = super().forward(features, tokens, positions, cache, **kwargs)
+        sign = torch.ones(out.logits.shape[0], 1, 1)
+        batch = sign.shape[0] // 2  # [cond; uncond] rows
+        sign[1:batch] = sign[batch + 1 :] = -1.0
+        return type(out)(out.logits * sign, out.hidden)
+
+
+def test_finished_images_stop_filling_the_cache_while_others_continue():
+    """Prompt 0 completes in about a third of the steps, the others need one step per token: the finished
+    row must not keep committing (and marking valid) its root every step, or the target cache overflows."""
+    target = build_tiny_toy_target(grid=6)  # 36 tokens per image
+    prompts = PROMPTS + ["a large blue cross in the center on a checkered pink background"]
+    settings = greedy(target)
+    deep = DecoderConfig(tree="dynamic", top_k=2, depth=6, total_tokens=10)  # prompt 0 takes 7 tokens per step
+    result = generate_speculative(target, _RowSplitDrafter(target), prompts, ExactRule(), deep, settings)
+    assert torch.equal(result.tokens, generate_ar(target, prompts, settings).tokens)
+    idle = (result.accepted[:, 0] < 0).sum()
+    assert idle > 9 + 7  # prompt 0 idled longer than the cache's spare columns (G // 4 + tree depth + 1)
