@@ -1,0 +1,216 @@
+"""Real acceptance length during training: decode held-out prompts with the drafter being trained.
+
+    callbacks: [{class_path: training.callbacks.DecodeValidation, init_args: {num_prompts: 8}}]
+
+At every validation (and so whenever ModelCheckpoint evaluates), `DecodeValidation` loads the
+current drafter weights into the tree decoder, generates images for K held-out prompts with AR
+sampling and with each configured rule (same prompts, same seeds), and logs
+
+    decode/tau_<rule>              accepted draft tokens + 1 per target forward (the +1 is the bonus token)
+    decode/target_forwards_<rule>  target forwards per image (AR: one per token)
+    decode/fidelity_<rule>, decode/fidelity_ar   prompt fidelity read back from the pixels (toy target)
+    decode/grid                    an image grid: one row per method (AR first), one column per prompt
+
+Under DDP the prompts are split across ranks and the sums all-reduced; under DeepSpeed ZeRO-3 the
+drafter's parameters are gathered first. The frozen target is the system's plain attribute, never
+wrapped by the strategy. Its cost (prompts x (rules + AR) decodes) is printed once and logged as
+decode/seconds; `every_n_validations: 0` switches it off. ModelCheckpoint can monitor
+`decode/tau_cascade` (peers found that loss keeps falling after tau peaks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from inference.eagle import EagleDrafter
+from inference.generate import generate_ar, image_grid
+from inference.speculative import DecoderConfig, generate_speculative
+from inference.verify import CascadeRule, ExactRule, GSDRule, Rule
+from models.target import ImageTarget
+
+SIMPLE_RULES: dict[str, type] = {"exact": ExactRule, "cascade": CascadeRule, "gsd": GSDRule}
+
+
+def build_rule(name: str, target: ImageTarget) -> Rule:
+    """A verification rule by name with its defaults (LANTERN rules need the target's VQ codebook)."""
+    if name in SIMPLE_RULES:
+        return SIMPLE_RULES[name]()
+    if name in ("lantern", "lantern++"):
+        from inference.verify import LanternRule, build_latent_neighbours
+
+        codebook = getattr(getattr(target, "vq", None), "codebook", None)
+        if codebook is None:
+            raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
+        k = max(1, min(1000, codebook.shape[0] // 16))  # LANTERN's 1000 of 16384 codes, scaled to the codebook
+        neighbours = build_latent_neighbours(codebook, k + 1)
+        return LanternRule(neighbours=neighbours, k=k, lam=3.0 if name == "lantern++" else None)
+    raise ValueError(f"unknown rule {name!r}; use exact, cascade, gsd, lantern or lantern++")
+
+
+def held_out_prompts(target: ImageTarget, count: int, seed: int) -> list[str]:
+    """K prompts the drafter never trained on: the toy world's held-out captions, else PartiPrompts."""
+    from data.prompts import PromptSetConfig, load_prompts
+
+    source = PromptSetConfig(source="toy", split="heldout", count=count, seed=seed)
+    if target.family != "llamagen" or not target.name.startswith(("toy", "tiny")):
+        source = PromptSetConfig(source="parti", count=count, seed=seed)
+    return [prompt.text for prompt in load_prompts(source)]
+
+
+class DecodeValidation(Callback):
+    """Decode held-out prompts with the current drafter at validation; log tau per rule, fidelity and a grid.
+
+    Args:
+        rules: verification rules to run (exact, cascade, gsd, lantern, lantern++).
+        num_prompts: K held-out prompts per evaluation, split across ranks.
+        every_n_validations: run at every n-th validation (0 = off); always after the last training step.
+        tree: "dynamic" (EAGLE-2: top_k, depth, total_tokens) or "static" (naive_extend_57).
+        top_k, depth, total_tokens: the dynamic tree.
+        seed: fixes prompts and sampling, so evaluations differ only by the drafter.
+        log_images: add the image grid to TensorBoard.
+    """
+
+    def __init__(
+        self,
+        rules: list[str] | None = None,
+        num_prompts: int = 8,
+        every_n_validations: int = 1,
+        tree: str = "dynamic",
+        top_k: int = 8,
+        depth: int = 5,
+        total_tokens: int = 40,
+        seed: int = 0,
+        log_images: bool = True,
+    ) -> None:
+        super().__init__()
+        self.rules = list(rules or ["exact", "cascade"])
+        self.num_prompts = num_prompts
+        self.every_n_validations = every_n_validations
+        self.decoder = DecoderConfig(tree=tree, top_k=top_k, depth=depth, total_tokens=total_tokens)
+        self.seed = seed
+        self.log_images = log_images
+        self._validations = 0
+        self._announced = False
+        self._reader: Any = None
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking or self.every_n_validations <= 0:
+            return
+        self._validations += 1
+        last = trainer.global_step >= (trainer.max_steps if trainer.max_steps > 0 else float("inf"))
+        if (self._validations - 1) % self.every_n_validations and not last:
+            return
+        self.evaluate(trainer, pl_module)
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Any, pl_module: Any) -> dict[str, float]:
+        target: ImageTarget = pl_module.frozen_target
+        rules = {name: build_rule(name, target) for name in self.rules}
+        prompts = held_out_prompts(target, self.num_prompts, self.seed)
+        rank, world = trainer.global_rank, trainer.world_size
+        mine = prompts[rank::world]  # (K / W) prompts on this rank
+        started = time.perf_counter()
+        sums = {"count": float(len(mine))}
+        rows: list[np.ndarray] = []
+        if mine:
+            with self._gathered(pl_module), _eval_mode(pl_module.drafter):
+                drafter = EagleDrafter(pl_module.drafter, target)
+                ar = generate_ar(target, mine, generator=self._generator(target, rank))
+                sums["target_forwards_ar"] = float(ar.target_forwards) * len(mine)
+                images = [target.decode_images(ar.tokens)]
+                for name, rule in rules.items():
+                    result = generate_speculative(
+                        target, drafter, mine, rule, self.decoder, generator=self._generator(target, rank)
+                    )
+                    accepted = result.accepted[result.accepted >= 0]
+                    sums[f"tau_{name}"] = float((accepted + 1).sum())
+                    sums[f"steps_{name}"] = float(accepted.numel())
+                    sums[f"target_forwards_{name}"] = float(result.target_forwards) * len(mine)
+                    images.append(target.decode_images(result.tokens))
+            captions = mine
+            reader = self._scene_reader(target)
+            if reader is not None:
+                for name, pictures in zip(["ar", *rules], images, strict=True):
+                    sums[f"fidelity_{name}"] = reader.fidelity(torch.as_tensor(pictures), captions) * len(mine)
+            rows = [np.asarray(pictures) for pictures in images]
+        seconds = time.perf_counter() - started
+        totals = self._all_reduce(trainer, sums)
+        count = max(totals["count"], 1.0)
+        metrics = {"decode/seconds": seconds}
+        for name in ["ar", *rules]:
+            if name != "ar":
+                metrics[f"decode/tau_{name}"] = totals[f"tau_{name}"] / max(totals[f"steps_{name}"], 1.0)
+            metrics[f"decode/target_forwards_{name}"] = totals[f"target_forwards_{name}"] / count
+            if f"fidelity_{name}" in totals:
+                metrics[f"decode/fidelity_{name}"] = totals[f"fidelity_{name}"] / count
+        for key, value in metrics.items():
+            pl_module.log(key, value, rank_zero_only=True)
+        if trainer.is_global_zero:
+            if not self._announced:
+                print(
+                    f"decode validation: {len(prompts)} prompts x ({len(rules)} rules + AR) in {seconds:.1f} s "
+                    f"per evaluation on rank 0 (DecodeValidation.every_n_validations: 0 turns it off)"
+                )
+                self._announced = True
+            if self.log_images and rows:
+                self._log_grid(trainer, rows)
+        return metrics
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _generator(self, target: ImageTarget, rank: int) -> torch.Generator:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(self.seed * 7919 + rank)
+        return generator
+
+    @staticmethod
+    def _all_reduce(trainer: Any, sums: dict[str, float]) -> dict[str, float]:
+        if trainer.world_size == 1:
+            return sums
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
+        values = trainer.strategy.reduce(values, reduce_op="sum")
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    @staticmethod
+    def _gathered(pl_module: Any) -> contextlib.AbstractContextManager:
+        """ZeRO-3 shards parameters across ranks: gather the drafter's for decoding."""
+        parameters = list(pl_module.drafter.parameters())
+        if parameters and hasattr(parameters[0], "ds_id"):
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _scene_reader(self, target: ImageTarget) -> Any:
+        """The toy world's attribute reader (fidelity); None for targets it cannot read."""
+        if self._reader is None and target.name == "toy":
+            from models.toy_metrics import SceneReader
+            from models.toy_target import ASSETS
+
+            self._reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+        return self._reader
+
+    def _log_grid(self, trainer: Any, rows: list[np.ndarray]) -> None:
+        experiment = getattr(trainer.logger, "experiment", None)
+        if experiment is None or not hasattr(experiment, "add_image"):
+            return
+        columns = rows[0].shape[0]
+        grid = image_grid(np.concatenate(rows), columns=columns, scale=2)  # rows: AR, then each rule
+        experiment.add_image("decode/grid", np.asarray(grid), global_step=trainer.global_step, dataformats="HWC")
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module):  # type: ignore[no-untyped-def]
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
