@@ -108,6 +108,15 @@ def test_loss_curves_agree_across_single_ddp_and_deepspeed(fits: dict[str, dict[
         )
 
 
+def test_decode_validation_splits_prompts_across_ranks_and_reduces(fits: dict[str, dict[str, Any]]) -> None:
+    for strategy in STRATEGIES:
+        decode = fits[strategy]["decode"]
+        assert decode["decode/target_forwards_ar"] == 16  # every image of every rank counted: 16 tokens each
+        for rule in ("exact", "cascade"):
+            assert 1.0 <= decode[f"decode/tau_{rule}"] <= 4.0  # 1 + at most depth accepted drafts per forward
+            assert 1 + 16 / 4 <= decode[f"decode/target_forwards_{rule}"] <= 16
+
+
 def test_deepspeed_really_ran_zero_2_without_compiling(fits: dict[str, dict[str, Any]]) -> None:
     deepspeed = fits["deepspeed_stage_2"]
     assert deepspeed["zero_stage"] == 2

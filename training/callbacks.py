@@ -106,10 +106,12 @@ class DecodeValidation(Callback):
         last = trainer.global_step >= (trainer.max_steps if trainer.max_steps > 0 else float("inf"))
         if (self._validations - 1) % self.every_n_validations and not last:
             return
-        self.evaluate(trainer, pl_module)
+        for key, value in self.evaluate(trainer, pl_module).items():
+            pl_module.log(key, value, rank_zero_only=True)
 
     @torch.no_grad()
     def evaluate(self, trainer: Any, pl_module: Any) -> dict[str, float]:
+        """Decode on every rank (a collective: all ranks must call it); returns the reduced metrics."""
         target: ImageTarget = pl_module.frozen_target
         rules = {name: build_rule(name, target) for name in self.rules}
         prompts = held_out_prompts(target, self.num_prompts, self.seed)
@@ -149,8 +151,6 @@ class DecodeValidation(Callback):
             metrics[f"decode/target_forwards_{name}"] = totals[f"target_forwards_{name}"] / count
             if f"fidelity_{name}" in totals:
                 metrics[f"decode/fidelity_{name}"] = totals[f"fidelity_{name}"] / count
-        for key, value in metrics.items():
-            pl_module.log(key, value, rank_zero_only=True)
         if trainer.is_global_zero:
             if not self._announced:
                 print(

@@ -42,6 +42,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
 from data.shards import load_manifest  # noqa: E402
 from models import registry  # noqa: E402
 from models.eagle import EagleDraftModel  # noqa: E402
+from training.callbacks import DecodeValidation  # noqa: E402
 from training.convert import convert_checkpoint  # noqa: E402
 from training.deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
 from training.objective import ObjectiveConfig  # noqa: E402
@@ -171,6 +172,9 @@ def main() -> None:
     folder = out.with_suffix("")
     folder.mkdir(parents=True, exist_ok=True)
     checkpoint = check_checkpoint(trainer, system, folder, deepspeed=args.strategy.startswith("deepspeed"))
+    # real decoding with the trained drafter: 3 prompts split 2 + 1 over two ranks, sums all-reduced
+    decoder = DecodeValidation(rules=["exact", "cascade"], num_prompts=3, top_k=2, depth=3, total_tokens=6)
+    decode = decoder.evaluate(trainer, system)
     if trainer.is_global_zero:
         result = {
             "strategy": args.strategy,
@@ -183,6 +187,7 @@ def main() -> None:
             "zero_stage": (getattr(trainer.strategy, "config", None) or {}).get("zero_optimization", {}).get("stage"),
             "fit_s": fit_s,
             "checkpoint": checkpoint,
+            "decode": decode,
         }
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: result[k] for k in ("strategy", "losses", "grad_norms", "fit_s")}))
