@@ -1,6 +1,7 @@
 """A trained EAGLE-1/EAGLE-3 draft head, wired to its target, as a tree-decoder `Drafter`.
 
     drafter = EagleDrafter.from_pretrained("runs/demo/drafter", target)
+    drafter = EagleDrafter.from_pretrained("my-org/eagle3-toy", target)   # a Hub repo (python -m training.export)
     result = generate_speculative(target, drafter, prompts, CascadeRule())
 
 The drafter attends only to image elements, exactly as it was trained on extracted features: the
@@ -12,15 +13,45 @@ Shapes: R rows, T new elements, S cache columns, H drafter hidden size, Df featu
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from inference.drafter import DraftOutput, build_draft_attention_mask
-from models.eagle import EagleDraftModel
+from models.eagle import CONFIG_NAME, WEIGHTS_NAME, EagleDraftModel
 from models.kv_cache import KVCache
 from models.target import Conditioning, ImageTarget, TargetOutput
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the Hub spells repo ids
+
+
+def resolve_drafter_folder(
+    name: str | Path, *, revision: str | None = None, cache_dir: str | Path | None = None
+) -> Path:
+    """A local drafter folder for `name`: the folder itself, or a Hub repo id's snapshot.
+
+    A `Path`, an existing path, or a string that is not of the form "org/name" is a local folder
+    (`EagleDraftModel.from_pretrained` reports what is missing). Otherwise the repo's config.json and
+    model.safetensors are fetched with `huggingface_hub.snapshot_download` into the Hub cache; with
+    HF_HUB_OFFLINE=1 the cached snapshot is used, and a repo never fetched is an error saying so.
+    """
+    if isinstance(name, Path) or Path(name).exists() or not REPO_ID.fullmatch(name) or ".." in name:
+        return Path(name)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            name, revision=revision, cache_dir=cache_dir, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        raise FileNotFoundError(
+            f"{Path(name) / CONFIG_NAME} not found: a drafter folder holds {CONFIG_NAME} and {WEIGHTS_NAME}; "
+            f"as a Hub repo id, {name} could not be fetched either: {error}"
+        ) from error
+    return Path(folder)  # type: ignore[arg-type]
 
 
 def check_compatible(model: EagleDraftModel, target: ImageTarget) -> None:
@@ -53,9 +84,20 @@ class EagleDrafter:
         self.feature_source = "hidden" if model.config.architecture == "eagle1" else "aux"
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, target: ImageTarget) -> EagleDrafter:
-        """Load a drafter folder (config.json + model.safetensors) onto the target's device."""
-        return cls(EagleDraftModel.from_pretrained(folder, map_location=target.device), target)
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        target: ImageTarget,
+        *,
+        revision: str | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> EagleDrafter:
+        """Load a drafter folder (config.json + model.safetensors) or a Hub repo id onto the target's device.
+
+        `revision` and `cache_dir` apply to Hub repos only (`resolve_drafter_folder`).
+        """
+        local = resolve_drafter_folder(folder, revision=revision, cache_dir=cache_dir)
+        return cls(EagleDraftModel.from_pretrained(local, map_location=target.device), target)
 
     def allocate_cache(self, rows: int, capacity: int) -> KVCache:
         config = self.model.config
