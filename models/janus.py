@@ -49,6 +49,7 @@ D hidden size, V image vocabulary (VQ codebook), G image tokens.
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,12 +164,14 @@ class JanusTarget(ImageTarget):
         Args:
             path: folder with `config.json`, the weights and the tokenizer files, or a hub id.
             dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
-            device: None = CUDA when available, else CPU.
+            device: None = this process's GPU (cuda:LOCAL_RANK, as torchrun and Lightning set it) when CUDA is
+                available, else CPU.
             **kwargs: passed to `JanusTarget` (name, sampling, max_prompt_tokens, aux_layer_ids).
         """
         from transformers import AutoTokenizer, JanusForConditionalGeneration
 
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"  # one replica per rank, each on its own GPU
+        device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if dtype is None:

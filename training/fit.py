@@ -59,6 +59,7 @@ class DrafterCLI(LightningCLI):
             }
         )
         parser.link_arguments("model.target", "data.target")
+        parser.link_arguments("model.target_options", "data.target_options")
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume; 'last' = newest")
         parser.add_argument("--validate_before", type=bool, default=True, help="validate the untrained drafter first")
 

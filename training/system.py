@@ -20,6 +20,7 @@ train/tokens_per_s, train/grad_norm, lr (LearningRateMonitor), val/loss, val/acc
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,10 +44,17 @@ from training.vocab import build_vocab_map
 SCHEDULES = ("cosine", "linear", "constant")
 
 
+def shared_target(name: str, options: dict[str, Any] | None = None) -> ImageTarget:
+    """One target instance per process, name and loader options, shared by the DataModule and the LightningModule."""
+    return _shared_target(name, json.dumps(options or {}, sort_keys=True))
+
+
 @functools.cache
-def shared_target(name: str) -> ImageTarget:
-    """One target instance per process and name, shared by the DataModule and the LightningModule."""
-    return load_target(name)
+def _shared_target(name: str, options: str) -> ImageTarget:
+    return load_target(name, **json.loads(options))
+
+
+shared_target.cache_clear = _shared_target.cache_clear  # type: ignore[attr-defined]
 
 
 @dataclass(kw_only=True)
@@ -86,6 +94,7 @@ class DrafterSystem(L.LightningModule):
 
     Args:
         target: registry name of the target (`models.registry`); its embedding and head stay frozen.
+        target_options: keyword arguments of its loader (janus-pro-7b: path, dtype, device, ...).
         architecture: eagle1 | eagle3.
         preset: drafter shape preset (`models.eagle.drafter_preset`): tiny, toy, llamagen-xl, janus-pro-7b, ...
         drafter: overrides of DrafterConfig fields (e.g. draft_vocab_size, num_heads).
@@ -97,6 +106,7 @@ class DrafterSystem(L.LightningModule):
     def __init__(
         self,
         target: str = "toy",
+        target_options: dict[str, Any] | None = None,
         architecture: str = "eagle3",
         preset: str = "toy",
         drafter: dict[str, Any] | None = None,
@@ -106,6 +116,7 @@ class DrafterSystem(L.LightningModule):
     ) -> None:
         super().__init__()
         self.target_name = target
+        self.target_options = dict(target_options or {})
         self.drafter_config = drafter_preset(preset, architecture, **(drafter or {}))
         self.objective = objective or ObjectiveConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
@@ -113,6 +124,7 @@ class DrafterSystem(L.LightningModule):
         self.save_hyperparameters(
             {
                 "target": target,
+                "target_options": self.target_options,
                 "drafter": asdict(self.drafter_config),
                 "objective": asdict(self.objective),
                 "optimizer": asdict(self.optimizer_config),
@@ -142,7 +154,7 @@ class DrafterSystem(L.LightningModule):
         return self.model
 
     def setup(self, stage: str) -> None:
-        target = shared_target(self.target_name)
+        target = shared_target(self.target_name, self.target_options)
         check_compatible(self.drafter, target)
         width = target.embed_image_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
         if width != self.drafter_config.hidden_size:
@@ -281,6 +293,7 @@ class DrafterDataModule(FeatureDataModule):
         train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
             load_uncond, on_error: see `data.datamodule.DataConfig`.
         target: registry name of the target the features must come from (linked to model.target by fit.py).
+        target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
         extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
         extract_overrides: key=value overrides for that extraction (e.g. prompts.count=512).
     """
@@ -298,6 +311,7 @@ class DrafterDataModule(FeatureDataModule):
         load_uncond: bool = False,
         on_error: str = "raise",
         target: str = "toy",
+        target_options: dict[str, Any] | None = None,
         extract_config: str | None = None,
         extract_overrides: list[str] | None = None,
     ) -> None:
@@ -318,6 +332,7 @@ class DrafterDataModule(FeatureDataModule):
         self.target = None  # type: ignore[assignment]
         self.train_stream = self.val_stream = None
         self.target_name = target
+        self.target_options = dict(target_options or {})
         self.extract_config = extract_config
         self.extract_overrides = list(extract_overrides or [])
 
@@ -335,12 +350,13 @@ class DrafterDataModule(FeatureDataModule):
         overrides = [f"out_dir={self.config.train_dir}", f"target={self.target_name}", *self.extract_overrides]
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
-        if run_extraction(config, shared_target(self.target_name), rank=0, world_size=1) is None:
+        target = shared_target(self.target_name, self.target_options)
+        if run_extraction(config, target, rank=0, world_size=1) is None:
             raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
 
     def setup(self, stage: str | None = None) -> None:
         if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
-            self.target = TargetIdentity.from_target(shared_target(self.target_name))
+            self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
         super().setup(stage)
         # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream
         # (batch_size=None) lacks: state it before the strategy formats its config (which runs after setup).
