@@ -2,11 +2,14 @@
 
 target = load_target("toy")                      # the embedded toy world
 target = load_target("janus-pro-7b", path="/models/Janus-Pro-7B")  # a transformers-format folder or hub id
+target = load_target("llamagen-xl", gpt_checkpoint="/models/t2i_XL_stage2_512.pt",
+                     vq_checkpoint="/models/vq_ds16_t2i.pt", t5_path="/models/flan-t5-xl")
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from models.target import ImageTarget
 
@@ -24,14 +27,29 @@ def _load_janus_pro_7b(path: str | None = None, dtype: object = None, device: ob
     return JanusTarget.from_pretrained(path or DEFAULT_HUB_ID, dtype, device, **kwargs)  # type: ignore[arg-type]
 
 
-TARGET_LOADERS: dict[str, Callable[..., ImageTarget]] = {"toy": _load_toy, "janus-pro-7b": _load_janus_pro_7b}
+def _load_llamagen_xl(gpt_checkpoint: str | None = None, vq_checkpoint: str | None = None, t5_path: str | None = None,
+                      preset: Any = None, dtype: Any = None, device: Any = None,
+                      **kwargs: Any) -> ImageTarget:  # fmt: skip
+    from models.llamagen_t2i import LlamaGenT2ITarget
+
+    return LlamaGenT2ITarget.from_pretrained(gpt_checkpoint, vq_checkpoint, t5_path, preset, dtype, device, **kwargs)
+
+
+TARGET_LOADERS: dict[str, Callable[..., ImageTarget]] = {
+    "toy": _load_toy,
+    "janus-pro-7b": _load_janus_pro_7b,
+    "llamagen-xl": _load_llamagen_xl,
+}
 
 
 def load_target(name: str, **kwargs: object) -> ImageTarget:
     """Build the target called `name`; keyword arguments go to its loader.
 
     toy: `folder=`; janus-pro-7b: `path=` (local folder or hub id), `dtype=`, `device=` and
-    `JanusTarget` options (`max_prompt_tokens=`, ...).
+    `JanusTarget` options (`max_prompt_tokens=`, ...); llamagen-xl: `gpt_checkpoint=`, `vq_checkpoint=`,
+    `t5_path=`, `preset=` ("t2i-XL-stage1" / "t2i-XL-stage2"), `dtype=`, `device=`, `folder=` and
+    `LlamaGenT2ITarget` options (`sampling=` "official" / "lantern", ...); unnamed files come from
+    $LLAMAGEN_DIR (default `pretrained_models`) or the hub.
     """
     if name not in TARGET_LOADERS:
         raise ValueError(f"unknown target {name!r}; known targets: {', '.join(sorted(TARGET_LOADERS))}")
