@@ -35,10 +35,18 @@ def _load_llamagen_xl(gpt_checkpoint: str | None = None, vq_checkpoint: str | No
     return LlamaGenT2ITarget.from_pretrained(gpt_checkpoint, vq_checkpoint, t5_path, preset, dtype, device, **kwargs)
 
 
+def _load_lumina_mgpt_7b(path: str | None = None, dtype: object = None, device: object = None,
+                         **kwargs: object) -> ImageTarget:  # fmt: skip
+    from models.lumina import DEFAULT_HUB_ID, LuminaTarget
+
+    return LuminaTarget.from_pretrained(path or DEFAULT_HUB_ID, dtype, device, **kwargs)  # type: ignore[arg-type]
+
+
 TARGET_LOADERS: dict[str, Callable[..., ImageTarget]] = {
     "toy": _load_toy,
     "janus-pro-7b": _load_janus_pro_7b,
     "llamagen-xl": _load_llamagen_xl,
+    "lumina-mgpt-7b": _load_lumina_mgpt_7b,
 }
 
 

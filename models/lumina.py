@@ -1,0 +1,450 @@
+"""Lumina-mGPT (Chameleon backbone) behind `ImageTarget`, over transformers' `ChameleonForConditionalGeneration`.
+
+    target = LuminaTarget.from_pretrained("Alpha-VLLM/Lumina-mGPT-7B-768")   # or a local folder
+    conditioning = target.condition(["a red fox in the snow"])                 # [cond; uncond] rows
+
+Upstream sequence (Lumina-mGPT `FlexARItemProcessor` / `inference_solver.py`, targets.md section 4)::
+
+    BOS  "Generate an image of {W}x{H} according to the following prompt:\\n{prompt}"  <reserved08706>
+    <racm3:break>  <reserved{8800 + rows/2}>  <reserved{8800 + cols/2}>              (image header)
+    rows x ( cols image codes as BPE ids, <reserved08799> )                         (codes + end-of-line)
+    <eoss>                                                                          (end of image)
+
+The image vocabulary V seen through the interface (`image_vocab_size` = K + 2, 8194 for the real model):
+
+- index k < K (K = number of `IMGIMG*` entries of `config.vocabulary_map`, 8192): VQ code k, i.e.
+  Chameleon BPE id `vocabulary_mapping.img2bpe[k]` (not an identity or offset map);
+- index K (`eol_index`): end-of-line `<reserved08799>` (8803 in the real vocabulary);
+- index K + 1 (`eoi_index`): end-of-image `<eoss>` (8196).
+
+`token_ids` (V,) maps an interface index to its Chameleon id; `interface_index` maps back (-1 outside V).
+
+Geometry: the generated image is the code grid *with its end-of-line column*: `geometry.grid` =
+(rows, cols + 1) so G = rows * (cols + 1) (2352 for 768 px); token j is an end-of-line exactly when
+j % (cols + 1) == cols. The end-of-image token that follows (upstream forces it right after the last
+end-of-line) is deterministic, carries no information and is not part of G; `layout_mask(G)` still
+names it, for a decoder that wants to emit the full Chameleon span (`chameleon_ids`).
+`geometry.image_size` is the pixel size, (rows, cols) x the VQ downsampling factor.
+
+Layout rule (upstream `MultiModalLogitsProcessor`): `layout_mask(token_index)` gives, per image
+token index, the allowed V entries (codes only at code slots, only end-of-line at row ends, only
+end-of-image at index G); `apply_layout` turns it into -inf logits. **The decoders of this repo
+(`inference/generate.py`, `inference/speculative.py`) do not apply it yet**: `forward` returns the raw
+image logits of all V entries (another developer wires the rule in; the right place is after CFG and
+before temperature/top-k, upstream's order: CFG -> layout mask -> top-k 2000).
+
+Prefix and CFG (upstream `LLMImageStartTriggeredUnbatchedClassifierFreeGuidanceLogitsProcessor`):
+the conditional row is BOS + the prompt turn + the image header; the model itself emits the header
+upstream, we force it (it is fixed by the resolution in the prompt; LANTERN checks generated data
+starts with exactly these three tokens). The unconditional context is upstream's
+`input_ids[:, index_of(<racm3:break>):]`: the header alone, no BOS and no text, run in its own cache
+from position 0. Rows are [cond; uncond]; every row is left-padded to C = `max_prompt_tokens` slots
+(padded slots invalid) at positions 0 .. C-1, so image token j sits at C + j in every row. Chameleon
+uses 1D rotary attention (QK-norm is applied before rotary, position-free), which depends on position
+differences only, so this equals upstream's separate uncond context at positions 0, 1, 2, 3 + j.
+Upstream guides raw logits (`s * (cond - uncond) + uncond`, then the layout mask); our `combine_cfg`
+is the same formula over the V columns.
+
+Logits: transformers' `ChameleonForConditionalGeneration.forward` sets every image-token logit to
+`finfo.min`; we never use it. `image_head` is the LM head restricted to the V rows,
+`hidden @ lm_head.weight[token_ids].T`, over the post-norm last hidden state.
+
+Running the layers: as `models/janus.py` does, `_run` calls each of transformers' own
+`ChameleonDecoderLayer`s (or `ChameleonSwinDecoderLayer`s) with the model's `rotary_emb` at our
+explicit positions, a 4-D additive mask from our cache validity and tree mask, and a `Cache`
+stand-in that writes keys/values (stored after rotary) into our `KVCache`. Needs "sdpa" or "eager".
+
+VQ decoding: transformers 5.24's `ChameleonVQVAE` has an encoder and quantizer only, **no decoder**
+(Lumina-mGPT decodes with Meta's separately licensed `vqgan.ckpt`). `decode_images` therefore needs
+a `vq_decoder` callable, (B, rows, cols) int64 VQ codes -> (B, 3, H, W) pixels in about [-1, 1];
+without one it raises `NotImplementedError`.
+
+Shapes: B prompts, R rows (2B with CFG), T new tokens, C prompt slots, S cached + new columns,
+D hidden size, V image vocabulary (K codes + 2 layout tokens), G image tokens (with the EOL column).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.kv_cache import KVCache
+from models.llamagen import build_attention_mask
+from models.target import Conditioning, ImageGeometry, ImageTarget, SamplingDefaults, TargetOutput
+
+if TYPE_CHECKING:
+    from transformers import ChameleonForConditionalGeneration
+
+LUMINA_SAMPLING = SamplingDefaults(cfg_scale=3.0, temperature=1.0, top_k=2000, top_p=None)
+"""Upstream `create_logits_processor` defaults: cfg 3.0, image top-k 2000, temperature 1."""
+PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
+"""The human turn; the resolution string is part of the conditioning."""
+END_OF_TURN = "<reserved08706>"  # the conversation separator (id 8710), appended to the human turn
+IMAGE_START = "<racm3:break>"  # 8197
+IMAGE_END = "<eoss>"  # 8196
+END_OF_LINE = "<reserved08799>"  # 8803
+SIZE_TOKEN = "<reserved{:05d}>"  # size token of n grids: <reserved{8800 + n}> (id 8804 + n)
+SIZE_PATCH_CODES = 2  # upstream: a size-token grid is 32 px = 2 VQ codes (h_latent = h_grids * 2)
+DEFAULT_HUB_ID = "Alpha-VLLM/Lumina-mGPT-7B-768"
+DEFAULT_GRID = (48, 48)  # 768 px / 16
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+class _CacheWriter:
+    """Stands in for transformers' `Cache` inside `ChameleonAttention`: writes new keys/values into a `KVCache`."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """(R, H, T, E) new keys/values -> all keys/values of the row so far, (R, H, length + T, E)."""
+        return self.cache.write(layer_idx, key_states, value_states)
+
+
+class LuminaTarget(ImageTarget):
+    """Lumina-mGPT's image generation through our KV cache, positions and tree masks (see the module docstring)."""
+
+    family = "lumina"
+
+    def __init__(
+        self,
+        model: ChameleonForConditionalGeneration,
+        tokenizer: Any,
+        name: str = "lumina-mgpt-7b",
+        sampling: SamplingDefaults = LUMINA_SAMPLING,
+        grid: tuple[int, int] = DEFAULT_GRID,
+        max_prompt_tokens: int = 160,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        vq_decoder: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        """Wrap a loaded model and its tokenizer.
+
+        Args:
+            model: a `ChameleonForConditionalGeneration` (real Lumina-mGPT or tiny random) whose
+                `config.vocabulary_map` names the image codes and the layout tokens.
+            tokenizer: its tokenizer (callable like a transformers tokenizer); BOS falls back to the config's.
+            name: the target's name.
+            sampling: the sampling defaults (upstream: CFG 3, temperature 1, top-k 2000).
+            grid: (rows, cols) of VQ codes, both even (upstream size tokens count 2-code grids); 48 x 48 = 768 px.
+            max_prompt_tokens: C, the slots every row is left-padded to (BOS, turn and 3 header tokens included).
+            aux_layer_ids: residual streams for EAGLE-3 (index i = input of layer i, transformers'
+                `hidden_states[i]`; i = num_layers is the post-norm output); None = (2, L // 2, L - 3).
+            vq_decoder: (B, rows, cols) VQ codes -> (B, 3, H, W) pixels in about [-1, 1]; None = none
+                available (transformers' `ChameleonVQVAE` has no decoder), `decode_images` then raises.
+        """
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.sampling = sampling
+        self.vq_decoder = vq_decoder
+        self.language_model = model.model
+        config = model.config
+        implementation = getattr(config, "_attn_implementation", None) or "eager"
+        if implementation not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention implementation {implementation!r} ignores our 4-D tree/validity masks; "
+                f"load the model with attn_implementation one of {SUPPORTED_ATTENTION}"
+            )
+        self._config = config
+        layers = config.num_hidden_layers
+        if aux_layer_ids is None:
+            aux_layer_ids = (2, layers // 2, layers - 3)
+        self._aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        for layer in self._aux_layer_ids:
+            if not 0 <= layer <= layers:
+                raise ValueError(f"aux_layer_ids entry {layer} is outside 0..{layers}")
+
+        rows, cols = (int(n) for n in grid)
+        if rows < 1 or cols < 1 or rows % SIZE_PATCH_CODES or cols % SIZE_PATCH_CODES:
+            raise ValueError(f"grid must be positive and even (size tokens count 2-code grids), got {grid}")
+        self.rows, self.cols = rows, cols
+
+        # ---- the image vocabulary: K codes in VQ order, then end-of-line, then end-of-image
+        vocab = dict(config.vocabulary_map or {})
+        mapping = self.language_model.vocabulary_mapping
+        img2bpe = mapping.img2bpe
+        codes = len(img2bpe)
+        if sorted(img2bpe) != list(range(codes)):
+            raise ValueError("the vocabulary map's IMGIMG tokens must name the VQ codes 0 .. K-1 exactly once")
+
+        def token(name_: str) -> int:
+            if name_ not in vocab:
+                raise ValueError(f"config.vocabulary_map lacks {name_!r}, which Lumina-mGPT's image layout needs")
+            return int(vocab[name_])
+
+        self.num_codes = codes
+        self.eol_id, self.eoi_id, self.boi_id = token(END_OF_LINE), token(IMAGE_END), token(IMAGE_START)
+        self.eot_id = token(END_OF_TURN)
+        self.eol_index, self.eoi_index = codes, codes + 1
+        ids = [img2bpe[k] for k in range(codes)] + [self.eol_id, self.eoi_id]
+        self.token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        """(V,) Chameleon token id of every interface index."""
+        inverse = torch.full((config.vocab_size,), -1, dtype=torch.long)
+        inverse[self.token_ids.cpu()] = torch.arange(len(ids))
+        self.interface_index = inverse.to(self.device)
+        """(vocab_size,) interface index of every Chameleon id, -1 outside V."""
+        self.header_ids = (
+            self.boi_id,
+            token(SIZE_TOKEN.format(8800 + rows // SIZE_PATCH_CODES)),
+            token(SIZE_TOKEN.format(8800 + cols // SIZE_PATCH_CODES)),
+        )
+        """<racm3:break>, rows size token, cols size token: the forced start of the image span."""
+
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is None:
+            bos = getattr(config, "bos_token_id", None)
+        if bos is None:
+            raise ValueError("neither the tokenizer nor the config gives the BOS token id")
+        self.bos_id = int(bos)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(config, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else self.bos_id)  # padded slots are never attended to
+        if max_prompt_tokens < 1 + 1 + len(self.header_ids):
+            raise ValueError(
+                f"max_prompt_tokens must leave room for BOS, the turn end and the header, got {max_prompt_tokens}"
+            )
+        self._prefix_length = int(max_prompt_tokens)
+
+        vq_config: Any = config.vq_config
+        downsample = 2 ** (len(vq_config.channel_multiplier) - 1)
+        self.geometry = ImageGeometry(grid=(rows, cols + 1), image_size=(rows * downsample, cols * downsample))
+        self.pixel_size = (rows * 16, cols * 16)
+        """(H, W) in the prompt text: 16 px per code as upstream (768 x 768 for 48 x 48), whatever the tiny VQ."""
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str = DEFAULT_HUB_ID,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> LuminaTarget:
+        """Load a transformers-format Lumina-mGPT (Chameleon) checkpoint and its tokenizer.
+
+        Args:
+            path: folder with `config.json`, the weights and the tokenizer files, or a hub id.
+            dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
+            device: None = this process's GPU (cuda:LOCAL_RANK) when CUDA is available, else CPU.
+            **kwargs: passed to `LuminaTarget` (name, sampling, grid, max_prompt_tokens, aux_layer_ids, vq_decoder).
+        """
+        from transformers import AutoTokenizer, ChameleonForConditionalGeneration
+
+        local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model.to(device)  # type: ignore[arg-type]
+        return cls(model, tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def hidden_size(self) -> int:
+        return self._config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self._config.num_hidden_layers
+
+    @property
+    def image_vocab_size(self) -> int:
+        return self.num_codes + 2
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self._aux_layer_ids
+
+    @property
+    def prefix_length(self) -> int:
+        return self._prefix_length
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_key_value_heads or self._config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._config.hidden_size // self._config.num_attention_heads
+
+    # ------------------------------------------------------------------ conditioning
+
+    def prompt_text(self, prompt: str) -> str:
+        """The human turn's text (without BOS and the end-of-turn token)."""
+        height, width = self.pixel_size
+        return PROMPT_TEMPLATE.format(width=width, height=height, prompt=prompt)
+
+    def prompt_ids(self, prompts: list[str], cfg: bool = True) -> tuple[Tensor, Tensor]:
+        """Token ids of the prefix rows, left-padded to C: (R, C) int64 ids and (R, C) bool validity.
+
+        Conditional row b = BOS + text(prompt b) + <reserved08706> + header; its unconditional row is
+        the header alone (upstream's separate context from `<racm3:break>` on).
+        """
+        length = self.prefix_length
+        header = list(self.header_ids)
+        encode = self.tokenizer
+        rows = [
+            [self.bos_id, *encode(self.prompt_text(p), add_special_tokens=False)["input_ids"], self.eot_id, *header]
+            for p in prompts
+        ]
+        if cfg:
+            rows += [header] * len(prompts)
+        ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(len(rows), length, dtype=torch.bool)
+        for row, tokens in enumerate(rows):
+            if len(tokens) > length:
+                raise ValueError(
+                    f"prompt {row} takes {len(tokens)} tokens with its template, more than max_prompt_tokens="
+                    f"{length}; shorten it or build the target with a larger max_prompt_tokens: "
+                    f"{prompts[row % len(prompts)][:80]!r}"
+                )
+            ids[row, length - len(tokens) :] = torch.tensor(tokens)
+            valid[row, length - len(tokens) :] = True
+        return ids, valid
+
+    @torch.no_grad()
+    def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:
+        ids, valid = self.prompt_ids(prompts, cfg)
+        device = self.device
+        ids, valid = ids.to(device), valid.to(device)
+        embeds = self.language_model.embed_tokens(ids)
+        positions = torch.arange(self.prefix_length, device=device)
+        return Conditioning(embeds, valid, positions, len(prompts), cfg)
+
+    # ------------------------------------------------------------------ running
+
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        weight = self.image_head_weight()
+        return KVCache.allocate(
+            self.num_layers, rows, self.num_kv_heads, capacity, self.head_dim, dtype=weight.dtype, device=weight.device
+        )
+
+    @torch.no_grad()
+    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
+        return self._run(
+            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
+        )
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
+                return_aux: bool = False) -> TargetOutput:  # fmt: skip
+        return self._run(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
+
+    def _run(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+             new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+        rows, length, _ = inputs.shape
+        if new_valid is None:
+            new_valid = torch.ones(rows, length, dtype=torch.bool, device=inputs.device)
+        if positions.dim() == 1:
+            positions = positions.expand(rows, length)
+        allowed = build_attention_mask(new_valid, cache, tree_mask)  # (R, T, S) bool
+        mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=inputs.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]  # (R, 1, T, S) additive
+        lm = self.language_model
+        position_embeddings = lm.rotary_emb(inputs, position_ids=positions)
+        writer = _CacheWriter(cache)
+        aux_ids = self._aux_layer_ids if return_aux else ()
+        streams: dict[int, Tensor] = {}
+        x = inputs
+        for index, layer in enumerate(lm.layers[: self.num_layers]):
+            if index in aux_ids:
+                streams[index] = x
+            out = layer(x, attention_mask=mask, position_ids=positions, cache=writer,
+                        position_embeddings=position_embeddings)  # fmt: skip
+            x = out[0] if isinstance(out, tuple) else out  # Chameleon layers return (hidden_states,)
+        cache.advance(new_valid)
+        hidden = lm.norm(x)
+        streams[self.num_layers] = hidden  # transformers' hidden_states[L] is the post-norm output
+        aux = torch.cat([streams[i] for i in aux_ids], dim=-1) if return_aux else None
+        return TargetOutput(self.image_head(hidden), hidden, aux)
+
+    # ------------------------------------------------------------------ image vocabulary
+
+    def image_positions(self, token_index: Tensor) -> Tensor:
+        return token_index + self.prefix_length
+
+    def embed_image_tokens(self, tokens: Tensor) -> Tensor:
+        return self.language_model.embed_tokens(self.token_ids.to(tokens.device)[tokens])
+
+    def image_head(self, hidden: Tensor) -> Tensor:
+        """LM-head rows of the V tokens over the post-norm hidden state (transformers' image-token masking skipped)."""
+        head = self.model.lm_head
+        index = self.token_ids.to(head.weight.device)
+        bias = head.bias[index] if head.bias is not None else None
+        return F.linear(hidden, head.weight[index], bias)
+
+    def image_head_weight(self) -> Tensor:
+        return self.model.lm_head.weight
+
+    def to_chameleon_ids(self, tokens: Tensor) -> Tensor:
+        """Interface indices (any shape) -> Chameleon token ids."""
+        return self.token_ids.to(tokens.device)[tokens]
+
+    def from_chameleon_ids(self, ids: Tensor) -> Tensor:
+        """Chameleon token ids (any shape) -> interface indices; raises for ids outside V."""
+        index = self.interface_index.to(ids.device)[ids]
+        if (index < 0).any():
+            raise ValueError(f"token ids outside the image vocabulary: {ids[index < 0].unique()[:8].tolist()}")
+        return index
+
+    def chameleon_ids(self, tokens: Tensor) -> Tensor:
+        """(B, G) image tokens -> (B, 3 + G + 1) upstream image span: header, codes with EOLs, end-of-image."""
+        batch = tokens.shape[0]
+        header = torch.tensor(self.header_ids, device=tokens.device).expand(batch, -1)
+        end = torch.full((batch, 1), self.eoi_id, dtype=torch.long, device=tokens.device)
+        return torch.cat([header, self.to_chameleon_ids(tokens), end], dim=1)
+
+    # ------------------------------------------------------------------ layout rule
+
+    def layout_mask(self, token_index: Tensor) -> Tensor:
+        """Allowed V entries of image token `token_index` (0 .. G), (...,) -> (..., V) bool.
+
+        Upstream `MultiModalLogitsProcessor`: at a row end (index % (cols + 1) == cols) only end-of-line,
+        at index G (after the last row) only end-of-image, elsewhere only the K codes. Not applied by
+        `forward` nor yet by this repo's decoders (see the module docstring).
+        """
+        token_index = torch.as_tensor(token_index, device=self.token_ids.device)
+        if (token_index < 0).any() or (token_index > self.geometry.num_tokens).any():
+            raise ValueError(f"image token indices must lie in 0..{self.geometry.num_tokens}")
+        vocab = torch.arange(self.image_vocab_size, device=token_index.device)
+        index = token_index[..., None]
+        row_end = (index % (self.cols + 1) == self.cols) & (index < self.geometry.num_tokens)
+        last = index == self.geometry.num_tokens
+        code = vocab < self.num_codes
+        return torch.where(row_end, vocab == self.eol_index, torch.where(last, vocab == self.eoi_index, code))
+
+    def apply_layout(self, logits: Tensor, token_index: Tensor) -> Tensor:
+        """`logits` (..., V) with the entries `layout_mask(token_index)` forbids set to -inf."""
+        return logits.masked_fill(~self.layout_mask(token_index).to(logits.device), float("-inf"))
+
+    # ------------------------------------------------------------------ decoding
+
+    def image_codes(self, tokens: Tensor) -> Tensor:
+        """(B, G) image tokens -> (B, rows, cols) VQ codes: the end-of-line column dropped (as upstream, unchecked)."""
+        grid = tokens.reshape(tokens.shape[0], self.rows, self.cols + 1)[..., : self.cols]
+        if (grid >= self.num_codes).any() or (grid < 0).any():
+            raise ValueError("an image token at a code slot is not a VQ code (a layout token where a code belongs)")
+        return grid
+
+    @torch.no_grad()
+    def decode_images(self, tokens: Tensor) -> Tensor:
+        """(B, G) tokens -> (B, H, W, 3) uint8 on the CPU, as upstream: clamp to [-1, 1], (x + 1) / 2 * 255, floor."""
+        if self.vq_decoder is None:
+            raise NotImplementedError(
+                "no VQ decoder: transformers' ChameleonVQVAE has an encoder only; pass vq_decoder= (Meta's Chameleon "
+                "VQGAN decoder, separately licensed) to LuminaTarget"
+            )
+        pixels = self.vq_decoder(self.image_codes(tokens.to(self.device)))  # (B, 3, H, W)
+        pixels = ((pixels.float().clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8)
+        return pixels.permute(0, 2, 3, 1).cpu()
