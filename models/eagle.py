@@ -134,7 +134,7 @@ _SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "toy": (128, 2, 2, 344, 512),
     "llamagen-xl": (1280, 20, 20, 3584, 16384),
     "janus-pro-7b": (4096, 32, 32, 11008, 16384),
-    "lumina-mgpt-7b": (4096, 32, 32, 11008, 65536),
+    "lumina-mgpt-7b": (4096, 32, 32, 11008, 8194),  # 8192 VQ codes + end-of-line + end-of-image (models/lumina.py)
 }
 
 
