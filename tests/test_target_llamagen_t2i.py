@@ -20,7 +20,7 @@ import torch
 
 from inference.drafter import OracleDrafter
 from inference.eagle import EagleDrafter
-from inference.generate import build_rule, generate_ar
+from inference.generate import generate_ar
 from inference.sampling import combine_cfg
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
@@ -37,6 +37,7 @@ from models.llamagen_t2i import (
     resolve_preset,
 )
 from models.vq16 import VQ16Config, VQ16Decoder, load_vq16_checkpoint
+from training.callbacks import build_rule
 
 transformers = pytest.importorskip("transformers")
 
