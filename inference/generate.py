@@ -1,11 +1,22 @@
-"""Generate images with a target: plain autoregressive sampling with classifier-free guidance.
+"""Generate images with a target: plain autoregressive sampling, or tree speculative decoding with a drafter.
 
     python -m inference.generate --target toy \
         --prompt "a small red circle at the top left on a striped blue background" --num-images 8 --out samples/
+    python -m inference.generate --target toy --drafter outputs/drafters/demo --rule cascade \
+        --rule-arg delta=0.3 --rule-arg pool_beyond_tree=true --tree dynamic --tree-depth 8 --tree-total 60 \
+        --prompts prompts.txt --out samples/
 
 writes one PNG per image, `grid.png` with all of them, and `generation.json` with the settings,
 prompts and per-image statistics. Sampling follows the target's official order (CFG, temperature,
 top-k, top-p); every setting defaults to the target's own and can be overridden on the command line.
+
+Without `--drafter` every image token costs one target forward (AR). With `--drafter` the tree
+decoder (`inference.speculative`) drafts a tree per step and verifies it with `--rule` (exact,
+lantern, lantern++, gsd, cascade); every field of the rule's dataclass in `inference.verify` can be
+set with `--rule-arg NAME=VALUE` (repeatable). Per image it reports tau = accepted draft tokens + 1
+per target verification forward (the +1 is the bonus/correction token every forward also yields),
+target forwards (the prefill, which yields token 0, included), drafter forwards and wall time.
+Speculative decoding runs one image per batch by default, so these are that image's own numbers.
 
 Shapes: B images, R rows (2B with CFG), G image tokens, V image vocabulary.
 """
@@ -18,6 +29,8 @@ import json
 import math
 import os
 import time
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +41,23 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
+from inference.speculative import DecoderConfig, SpeculativeGeneration, generate_speculative
+from inference.verify import CascadeRule, ExactRule, GSDRule, LanternRule, Rule, build_latent_neighbours
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
+
+RULE_CLASSES: dict[str, type] = {
+    "exact": ExactRule,
+    "lantern": LanternRule,
+    "lantern++": LanternRule,
+    "gsd": GSDRule,
+    "cascade": CascadeRule,
+}
+TAU_DEFINITION = (
+    "tau = accepted draft tokens + 1 per target verification forward (the +1 is the bonus/correction token "
+    "each forward also yields); target_forwards counts the prefill (which yields image token 0) too"
+)
+_NOT_SETTABLE = {"name", "neighbours"}  # fixed by the rule's name / built from the target's codebook
 
 
 @dataclass
@@ -122,8 +150,134 @@ def _save_png(image: np.ndarray | Image.Image, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def rule_options(name: str) -> dict[str, str]:
+    """The settable fields of rule `name` and their types, e.g. {"delta": "float", ...}."""
+    if name not in RULE_CLASSES:
+        raise ValueError(f"unknown rule {name!r}; known rules: {', '.join(RULE_CLASSES)}")
+    hints = typing.get_type_hints(RULE_CLASSES[name])
+    return {
+        f.name: _type_name(hints[f.name]) for f in dataclasses.fields(RULE_CLASSES[name]) if f.name not in _NOT_SETTABLE
+    }
+
+
+def _type_name(hint: object) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args:  # X | None
+        return f"{args[0].__name__} | None"  # type: ignore[attr-defined]
+    return hint.__name__  # type: ignore[attr-defined]
+
+
+def _convert(name: str, text: str, type_name: str) -> object:
+    """A `--rule-arg` value as the field's type; "none" gives None for optional fields."""
+    base, optional = type_name.removesuffix(" | None"), type_name.endswith(" | None")
+    if optional and text.lower() == "none":
+        return None
+    try:
+        if base == "bool":
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        return {"float": float, "int": int, "str": str}[base](text)
+    except (KeyError, ValueError):
+        raise ValueError(f"rule argument {name}={text!r}: expected {type_name}") from None
+
+
+def parse_rule_args(items: list[str] | None) -> dict[str, str]:
+    """["delta=0.3", "tau_seq=0.5"] -> {"delta": "0.3", "tau_seq": "0.5"}."""
+    options: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"rule argument {item!r} is not NAME=VALUE")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def default_lantern_k(vocab: int) -> int:
+    """LANTERN's 1000 neighbours of 16384 codes, scaled to the codebook (at least 1)."""
+    return max(1, min(1000, vocab // 16))
+
+
+def build_rule(name: str, target: ImageTarget, options: Mapping[str, object] | None = None) -> Rule:
+    """Verification rule `name` with its dataclass defaults, overridden by `options` (strings are parsed).
+
+    LANTERN rules get the target's VQ-codebook neighbour table; their k defaults to
+    `default_lantern_k(V)`, and LANTERN++ takes lam = 3.0 (the CASCADE dev baseline) unless given.
+    """
+    known = rule_options(name)
+    values: dict[str, object] = {}
+    for key, value in (options or {}).items():
+        if key not in known:
+            raise ValueError(f"rule {name!r} has no field {key!r}; its fields: {', '.join(known) or 'none'}")
+        values[key] = _convert(key, value, known[key]) if isinstance(value, str) else value
+    if name not in ("lantern", "lantern++"):
+        return RULE_CLASSES[name](**values)
+    if name == "lantern" and values.get("lam") is not None:
+        raise ValueError("lam sets LANTERN++'s multiplicative bound: use the rule lantern++")
+    if name == "lantern++" and values.setdefault("lam", 3.0) is None:
+        raise ValueError("lantern++ needs lam (its multiplicative bound); without it use the rule lantern")
+    codebook = getattr(getattr(target, "vq", None), "codebook", None)
+    if codebook is None:
+        raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
+    k = int(values.setdefault("k", default_lantern_k(codebook.shape[0])))  # type: ignore[call-overload]
+    if not 1 <= k <= codebook.shape[0] - 2:
+        raise ValueError(f"lantern k must be in 1..{codebook.shape[0] - 2} for {codebook.shape[0]} codes, got {k}")
+    return LanternRule(neighbours=build_latent_neighbours(codebook, k + 1), **values)  # type: ignore[arg-type]
+
+
+def rule_settings(rule: Rule) -> dict[str, object]:
+    """The rule's name and fields, JSON-ready (the LANTERN neighbour table left out)."""
+    fields = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule) if f.name not in _NOT_SETTABLE}
+    return {"rule": rule.name, **fields}
+
+
+def image_statistics(result: SpeculativeGeneration, column: int, batch: int) -> dict[str, float | int]:
+    """Per-image numbers of one speculative batch: tau, target forwards while it decoded, drafter forwards, s."""
+    accepted = result.accepted[:, column]
+    steps = accepted[accepted >= 0]
+    return {
+        "tau": float((steps + 1).float().mean()),
+        "verification_steps": int(steps.numel()),
+        "target_forwards": 1 + int(steps.numel()),
+        "drafter_forwards": result.drafter_forwards,  # of the whole batch (batch size 1: this image's)
+        "seconds": result.seconds / batch,
+        "tv_charged_per_step": result.tv_charged,
+    }
+
+
+def decoder_config(args: argparse.Namespace) -> DecoderConfig:
+    """The draft tree from --tree, --static-tree, --tree-top-k, --tree-depth, --tree-total (unset: the defaults)."""
+    given = {
+        "tree": args.tree,
+        "static_tree": args.static_tree,
+        "top_k": args.tree_top_k,
+        "depth": args.tree_depth,
+        "total_tokens": args.tree_total,
+    }
+    return DecoderConfig(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+
+
+def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
+    """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
+    parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
+    parser.add_argument("--tree", choices=("static", "dynamic"), help="draft tree kind (default dynamic)")
+    parser.add_argument("--static-tree", help="static tree list name (default naive_extend_57)")
+    parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
+    parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")
+    parser.add_argument("--tree-total", type=int, help="dynamic tree: nodes kept, root included (60)")
+
+
+def _rules_epilog() -> str:
+    lines = ["rule fields (--rule-arg NAME=VALUE):"]
+    for name in RULE_CLASSES:
+        lines.append(f"  {name}: " + (", ".join(f"{k} ({t})" for k, t in rule_options(name).items()) or "(none)"))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=_rules_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default="toy", help="target name (default: toy)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt, repeated --num-images times")
@@ -134,8 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, help="0 = greedy (default: the target's)")
     parser.add_argument("--top-k", type=int, help="default: the target's")
     parser.add_argument("--top-p", type=float, help="default: the target's")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, help="images per batch (default 16 for AR, 1 with --drafter)")
     parser.add_argument("--seed", type=int, default=0)
+    add_decoder_arguments(parser)
+    parser.add_argument("--rule", choices=tuple(RULE_CLASSES), help="verification rule with --drafter (cascade)")
+    parser.add_argument("--rule-arg", action="append", metavar="NAME=VALUE", help="set a rule field (repeatable)")
     return parser
 
 
@@ -143,43 +300,70 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.num_images < 1:
         raise SystemExit(f"--num-images must be at least 1, got {args.num_images}")
+    tree_options = (args.tree, args.static_tree, args.tree_top_k, args.tree_depth, args.tree_total)
+    if args.drafter is None and (args.rule or args.rule_arg or any(v is not None for v in tree_options)):
+        raise SystemExit("--rule, --rule-arg and the tree options need --drafter")
+    batch_size = args.batch_size or (1 if args.drafter else 16)
+    if batch_size < 1:
+        raise SystemExit(f"--batch-size must be at least 1, got {batch_size}")
     target = load_target(args.target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k", "top_p")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
     prompts = [args.prompt] * args.num_images if args.prompt else read_prompt_lines(args.prompts)
+    speculative: dict[str, object] = {}
+    if args.drafter:
+        from inference.eagle import EagleDrafter
+
+        try:
+            rule = build_rule(args.rule or "cascade", target, parse_rule_args(args.rule_arg))
+            config = decoder_config(args)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        drafter = EagleDrafter.from_pretrained(args.drafter, target)
+        speculative = {"drafter": str(args.drafter), **rule_settings(rule), "tree": dataclasses.asdict(config)}
     args.out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     images, records = [], []
-    for start in tqdm(range(0, len(prompts), args.batch_size), desc="batches", disable=len(prompts) <= args.batch_size):
-        batch = prompts[start : start + args.batch_size]
-        result = generate_ar(target, batch, settings, generator, progress=True)
-        pixels = target.decode_images(result.tokens).cpu().numpy()
-        for offset, (prompt, image) in enumerate(zip(batch, pixels, strict=True)):
+    quiet = len(prompts) <= batch_size or args.drafter is not None  # speculative decoding prints a line per image
+    for start in tqdm(range(0, len(prompts), batch_size), desc="batches", disable=quiet):
+        batch = prompts[start : start + batch_size]
+        if args.drafter:
+            spec = generate_speculative(target, drafter, batch, rule, config, settings, generator)
+            tokens, stats = spec.tokens, [image_statistics(spec, j, len(batch)) for j in range(len(batch))]
+        else:
+            result = generate_ar(target, batch, settings, generator, progress=True)
+            tokens = result.tokens
+            per_image = {"tau": 1.0, "target_forwards": result.target_forwards, "drafter_forwards": 0}
+            stats = [{**per_image, "seconds": result.seconds / len(batch)} for _ in batch]
+        pixels = target.decode_images(tokens).cpu().numpy()
+        for offset, (prompt, image, stat) in enumerate(zip(batch, pixels, stats, strict=True)):
             index = start + offset
             _save_png(image, args.out / f"{index:05d}.png")
-            records.append(
-                {
-                    "index": index,
-                    "prompt": prompt,
-                    "file": f"{index:05d}.png",
-                    "target_forwards": result.target_forwards,
-                    "seconds": result.seconds / len(batch),
-                }
-            )
+            records.append({"index": index, "prompt": prompt, "file": f"{index:05d}.png", **stat})
+            if args.drafter:
+                print(
+                    f"image {index}: tau {stat['tau']:.2f} (accepted drafts + 1 per target forward), "
+                    f"{stat['target_forwards']} target forwards, {stat['drafter_forwards']} drafter forwards, "
+                    f"{stat['seconds']:.2f} s"
+                )
         images.append(pixels)
-        print(
-            f"batch of {len(batch)}: {result.seconds:.2f} s, mean entropy {result.mean_entropy:.3f} nats, "
-            f"mean top-1 probability {result.mean_top1:.3f}"
-        )
+        if not args.drafter:
+            print(
+                f"batch of {len(batch)}: {result.seconds:.2f} s, mean entropy {result.mean_entropy:.3f} nats, "
+                f"mean top-1 probability {result.mean_top1:.3f}"
+            )
     _save_png(image_grid(np.concatenate(images)), args.out / "grid.png")
-    summary = {
-        "target": args.target,
-        "rule": "ar",
-        "sampling": dataclasses.asdict(settings),
-        "seed": args.seed,
-        "note": "plain autoregressive sampling: one target forward per image token",
-        "images": records,
-    }
+    summary: dict[str, object] = {"target": args.target, "rule": "ar", "sampling": dataclasses.asdict(settings)}
+    summary |= {"seed": args.seed, "batch_size": batch_size}
+    if args.drafter:
+        total_steps = sum(int(r["verification_steps"]) for r in records)
+        mean_tau = sum(float(r["tau"]) * int(r["verification_steps"]) for r in records) / max(total_steps, 1)
+        summary |= {"rule": speculative["rule"], "speculative": speculative, "tau_definition": TAU_DEFINITION}
+        summary |= {"tau": mean_tau, "note": "tree speculative decoding; tau over all verification steps"}
+        print(f"mean tau {mean_tau:.3f} over {total_steps} verification steps ({TAU_DEFINITION})")
+    else:
+        summary["note"] = "plain autoregressive sampling: one target forward per image token"
+    summary["images"] = records
     tmp = args.out / "generation.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, args.out / "generation.json")

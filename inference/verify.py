@@ -17,7 +17,8 @@ mass a candidate is accepted with and in what a rejection removes from the resid
 - `cascade` (cascade.md §4): per depth, plan the sibling merges first: interchangeability set I
   (sibling similarity >= tau_pos) and convergence set C (both siblings' states similar to the
   parent's, >= tau_seq), pooled greedily while the TV budget delta (reset per verification step)
-  lasts; then sample with the additive q_R(x) = p(x) + sum of p over the pooled tokens.
+  lasts; then sample with the additive q_R(x) = p(x) + sum of p over the pooled tokens. Optionally
+  (`pool_beyond_tree`) a converged sibling also pools support tokens no sibling drafted.
 
 Greedy mode (temperature 0, deterministic drafts): `exact` accepts x iff it is the target argmax;
 relaxed rules also accept x when its relaxed mass exceeds every other token's p (LANTERN's greedy
@@ -103,6 +104,12 @@ class CascadeRule:
     """Relax x only if it lies in the target's nucleus of this mass (dev code used 0.8)."""
     kl_gate: float | None = None
     """Pool y into x only if KL(p at x's node || p at y's node) < kl_gate (dev code used 4.0)."""
+    pool_beyond_tree: bool = False
+    """Convergence may also pool tokens no sibling drafted: after the sibling merges, the first usable
+    converged sibling (the C(n) condition: sim(F[n], F[u]) >= tau_seq, or the path condition) pools the
+    target's other support tokens at this depth, least likely first, while their mass fits the budget.
+    Off (cascade.md §4.2): pooling only moves mass between siblings, which on a deterministic (dynamic)
+    tree leaves the chance that some child is accepted unchanged. The TV bound of §4.3 holds either way."""
     name: str = "cascade"
 
     def __post_init__(self) -> None:
@@ -266,6 +273,57 @@ def cascade_plan(
     return pool, budget
 
 
+def cascade_beyond_tree(
+    rule: CascadeRule,
+    view: TargetView,
+    tree: Tree,
+    cur: Tensor,
+    kids: Tensor,
+    kid_tokens: Tensor,
+    usable: Tensor,
+    pool_tokens: Tensor,
+    p0: Tensor,
+    budget: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """`CascadeRule.pool_beyond_tree` at one depth, after `cascade_plan`: converged siblings pool undrafted tokens.
+
+    Args:
+        cur (B,); kids, kid_tokens, usable (B, K) as in `cascade_plan`; pool_tokens (B, K, V) bool, the
+        sibling merges; p0 (B, V); budget (B,) left after the sibling merges.
+    Returns:
+        pool_tokens with the undrafted tokens added (B, K, V) and the budget left (B,).
+    """
+    batch, width = kids.shape
+    rows = torch.arange(batch, device=kids.device)
+    feats = _features(view)
+    parent_feat = feats[rows, cur]  # (B, D)
+    if rule.conv_mode == "sibling":
+        converged = centred_cosine(feats[rows[:, None], kids.clamp_min(0)], parent_feat[:, None]) >= rule.tau_seq
+    else:
+        grand = tree.parents[rows, cur]
+        path_conv = (grand >= 0) & (centred_cosine(parent_feat, feats[rows, grand.clamp_min(0)]) >= rule.tau_seq)
+        converged = path_conv[:, None].expand(-1, width)
+    merged_away = pool_tokens.any(1).gather(1, kid_tokens)  # (B, K) a sibling already pooled this slot's token
+    open_slot = usable & converged & ~merged_away & rule.use_convergence  # (B, K)
+    if rule.conf_gate is not None:
+        for a in range(width):
+            open_slot[:, a] &= nucleus_member(p0, kid_tokens[:, a], rule.conf_gate)
+    vocab = p0.shape[-1]
+    drafted = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=kids.device)  # last column: dump for -1 slots
+    drafted.scatter_(1, torch.where(kids >= 0, kid_tokens, vocab), True)
+    free = (p0 > 0) & ~drafted[:, :vocab] & ~pool_tokens.any(1)  # (B, V) support tokens no sibling drafted
+    for a in range(width):
+        mass = torch.where(free, p0, float("inf"))
+        order = mass.argsort(dim=-1, stable=True)  # least likely first
+        cumulative = mass.gather(1, order).cumsum(-1)  # (B, V)
+        take_sorted = (cumulative <= budget[:, None]) & open_slot[:, a : a + 1]
+        take = torch.zeros_like(free).scatter_(1, order, take_sorted)
+        pool_tokens[:, a] |= take
+        budget = budget - (p0 * take).sum(-1)
+        free &= ~take
+    return pool_tokens, budget
+
+
 def candidate_mass(
     rule: Rule, p: Tensor, x: Tensor, pooled: Tensor | None, q_draw: Tensor, q_x: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -366,6 +424,10 @@ def _verify_level(
         pool_tokens = torch.zeros(batch, kids.shape[1], vocab + 1, dtype=torch.bool, device=kids.device)
         column = torch.where(usable, kid_tokens, vocab)  # unusable slots write to a dump column
         pool_tokens = pool_tokens.scatter_(2, column[:, None, :].expand_as(pool), pool)[..., :vocab]  # (B, K, V)
+        if rule.pool_beyond_tree:
+            pool_tokens, budget = cascade_beyond_tree(
+                rule, view, tree, cur, kids, kid_tokens, usable & alive[:, None], pool_tokens, p0, budget
+            )
     q_parent = tree.q_full[rows, cur].float()
     drawn = torch.zeros(batch, vocab, dtype=torch.bool, device=kids.device)  # siblings drawn before this one
     accepted = torch.full_like(cur, -1)
@@ -545,4 +607,25 @@ def _reference_plan(
                 used.add(y)
         used.add(x)
         plan[slot] = pooled
+    if rule.pool_beyond_tree and rule.use_convergence:
+        drafted = {tokens[n] for n in kids}
+        merged = {y for ys in plan.values() for y in ys}
+        free = [y for y in range(len(p0)) if p0[y] > 0 and y not in drafted and y not in used]
+        for slot, n in unique.values():
+            if tokens[n] in merged:
+                continue
+            if rule.conv_mode == "sibling":
+                converged = float(centred_cosine(feats[n], feats[cur])) >= rule.tau_seq
+            else:
+                converged = path_conv
+            if rule.conf_gate is not None:
+                converged &= bool(nucleus_member(p0[None], torch.tensor([tokens[n]]), rule.conf_gate)[0])
+            if not converged:
+                continue
+            order = sorted(free, key=lambda y: (float(p0[y]), y))  # least likely first
+            cumulative = p0[order].cumsum(0) if order else torch.zeros(0)
+            taken = [y for y, ok in zip(order, (cumulative <= budget).tolist(), strict=True) if ok]
+            plan[slot] = plan[slot] + taken
+            budget = budget - (p0[taken].sum() if taken else 0.0)
+            free = [y for y in free if y not in taken]
     return plan, budget

@@ -84,6 +84,9 @@ def all_rules(vocab: int, seed: int = 0) -> list:
         CascadeRule(delta=0.3, use_interchangeability=False, **loose),
         CascadeRule(delta=0.4, conv_mode="path", **loose),
         CascadeRule(delta=0.5, conf_gate=0.8, kl_gate=4.0, **loose),
+        CascadeRule(delta=0.5, pool_beyond_tree=True, **loose),
+        CascadeRule(delta=0.3, conv_mode="path", pool_beyond_tree=True, **loose),
+        CascadeRule(delta=0.6, conf_gate=0.8, pool_beyond_tree=True, **loose),
     ]
 
 
@@ -213,6 +216,8 @@ def test_cascade_keeps_tv_within_its_budget_on_dynamic_trees_by_enumeration(delt
         for rule in (
             CascadeRule(delta=delta, tau_pos=-1.0, tau_seq=-1.0),
             CascadeRule(delta=delta, tau_pos=0.0, tau_seq=0.0, conv_mode="path"),
+            CascadeRule(delta=delta, tau_pos=-1.0, tau_seq=-1.0, pool_beyond_tree=True),
+            CascadeRule(delta=delta, tau_pos=0.0, tau_seq=0.0, conv_mode="path", pool_beyond_tree=True),
         ):
             spec, target, covered = step_distributions(tree, view, rule)
             assert covered == pytest.approx(1.0, abs=1e-5)
@@ -240,3 +245,37 @@ def test_gsd_accepts_whole_rank_clusters():
     tree.q_full = torch.full_like(tree.q_full, 1 / 6)
     verdict = verify(tree, view, GSDRule(group=6), Uniforms.draw(tree, None))
     assert verdict.num_accepted.item() == 2  # p(C) = q(C) = 1: every first child is accepted
+
+
+def test_cascade_sibling_pooling_cannot_raise_acceptance_on_dynamic_trees_but_beyond_tree_pooling_can():
+    """With deterministic drafts, sibling merges only move mass between siblings: the chance that some child
+    is accepted stays the siblings' target mass, as for `exact`. `pool_beyond_tree` adds undrafted support
+    tokens to a converged sibling, raising that chance by exactly the budget it charges (<= delta)."""
+    tree, view = build_case(FULL_DEPTH_2, batch=1, vocab=6, sampled=False, seed=1)
+    tree.tokens[0, 1:4] = torch.tensor([0, 1, 2])  # distinct siblings; tokens 3..5 are never drafted at the root
+    noise = torch.randn(view.features.shape, generator=torch.Generator().manual_seed(0))
+    view.features = 1 + 0.05 * noise  # all nodes alike: every sibling converged
+    view.features[..., 0] += torch.arange(view.features.shape[1]) * 0.01
+    p_root = view.probs[0, 0]
+    sibling_mass = float(p_root[:3].sum())
+
+    def first_level_acceptance(rule) -> float:
+        spec, _, covered = step_distributions(tree, view, rule)
+        assert covered == pytest.approx(1.0, abs=1e-5)
+        return sum(mass for outcome, mass in spec.items() if len(outcome) >= 2 and outcome[0] in (0, 1, 2))
+
+    loose = dict(tau_pos=-1.0, tau_seq=-1.0)
+    assert first_level_acceptance(ExactRule()) == pytest.approx(sibling_mass, abs=1e-5)
+    assert first_level_acceptance(CascadeRule(delta=0.5, **loose)) == pytest.approx(sibling_mass, abs=1e-5)
+    reject_all = Uniforms(torch.ones(1, 2, 3), torch.zeros(1))  # only the root level is planned
+    gains = []
+    for delta in (0.05, 0.2, 1.0):
+        siblings_only = CascadeRule(delta=delta, **loose)
+        beyond = CascadeRule(delta=delta, pool_beyond_tree=True, **loose)
+        spent = float(verify(tree, view, beyond, reject_all).tv_charged)
+        moved = spent - float(verify(tree, view, siblings_only, reject_all).tv_charged)
+        assert first_level_acceptance(beyond) == pytest.approx(sibling_mass + moved, abs=1e-5)
+        assert spent <= delta + 1e-6
+        gains.append(moved)
+    assert gains[-1] == pytest.approx(float(p_root[3:].sum()), abs=1e-5)  # delta 1: every undrafted token pooled
+    assert min(gains) >= 0 and gains[-1] > 0.01

@@ -1,12 +1,18 @@
-"""`python -m inference.generate` with the shipped toy target writes PNGs, a grid and a JSON summary."""
+"""`python -m inference.generate` writes PNGs, a grid and a JSON summary: AR with the shipped toy target, and
+tree speculative decoding with a tiny random drafter on the tiny test target (per-image tau, forwards, time)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+from conftest import build_tiny_toy_target
 from PIL import Image
 
-from inference.generate import main
+from inference.generate import build_rule, main
+from models.eagle import EagleDraftModel, drafter_preset
+from models.registry import TARGET_LOADERS
 
 
 def test_generate_writes_images_grid_and_summary(tmp_path):
@@ -18,3 +24,71 @@ def test_generate_writes_images_grid_and_summary(tmp_path):
     assert summary["sampling"]["cfg_scale"] == 2.0 and summary["sampling"]["top_k"] == 50
     assert Image.open(tmp_path / "00000.png").size == (32, 32)
     assert Image.open(tmp_path / "grid.png").size[0] > 32
+
+
+@pytest.fixture
+def tiny_setup(tmp_path, monkeypatch):
+    """The tiny random target registered as --target tiny-test, and a tiny EAGLE-3 drafter folder for it."""
+    monkeypatch.setitem(TARGET_LOADERS, "tiny-test", lambda **kwargs: build_tiny_toy_target())
+    torch.manual_seed(0)
+    folder = EagleDraftModel(drafter_preset("tiny", "eagle3")).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "a small red circle at the top left on a plain blue background\n\na big green square on stripes\n"
+    )
+    return folder, prompts
+
+
+@pytest.mark.parametrize(
+    "rule, rule_args", [("cascade", ["delta=0.3", "pool_beyond_tree=true"]), ("lantern++", ["lam=2"])]
+)
+def test_generate_with_a_drafter_writes_per_image_tau_forwards_and_time(tiny_setup, tmp_path, capsys, rule, rule_args):
+    drafter, prompts = tiny_setup
+    out = tmp_path / "out"
+    tree = "--tree dynamic --tree-top-k 3 --tree-depth 3 --tree-total 10".split()
+    argv = ["--target", "tiny-test", "--drafter", str(drafter), "--rule", rule, "--prompts", str(prompts)]
+    argv += ["--out", str(out), *tree]
+    main(argv + [item for arg in rule_args for item in ("--rule-arg", arg)])
+    summary = json.loads((out / "generation.json").read_text())
+    assert summary["rule"] == rule and "bonus" in summary["tau_definition"]
+    assert summary["speculative"]["tree"] == {
+        "tree": "dynamic", "static_tree": "naive_extend_57", "top_k": 3, "depth": 3, "total_tokens": 10
+    }  # fmt: skip
+    if rule == "cascade":
+        assert summary["speculative"]["delta"] == 0.3 and summary["speculative"]["pool_beyond_tree"] is True
+    else:
+        assert summary["speculative"]["lam"] == 2.0
+    records = summary["images"]
+    assert [r["file"] for r in records] == ["00000.png", "00001.png"]
+    for record in records:
+        assert 1.0 <= record["tau"] <= 4.0  # depth 3: at most 3 drafts + the bonus token per forward
+        assert record["target_forwards"] == 1 + record["verification_steps"]
+        assert record["drafter_forwards"] >= record["verification_steps"] and record["seconds"] > 0
+        # every token comes from the prefill or a verification step: 1 + sum(accepted + 1) = G
+        assert round(record["tau"] * record["verification_steps"]) == 16 - 1
+    assert Image.open(out / "00001.png").size == (16, 16) and (out / "grid.png").exists()
+    printed = capsys.readouterr().out
+    assert "accepted drafts + 1 per target forward" in printed and "target forwards" in printed
+
+
+def test_generate_rule_arguments_are_checked(tiny_setup, tmp_path):
+    drafter, prompts = tiny_setup
+    base = ["--target", "tiny-test", "--prompts", str(prompts), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match="no field 'bogus'"):
+        main(base + ["--drafter", str(drafter), "--rule", "cascade", "--rule-arg", "bogus=1"])
+    with pytest.raises(SystemExit, match="expected float"):
+        main(base + ["--drafter", str(drafter), "--rule", "cascade", "--rule-arg", "delta=big"])
+    with pytest.raises(SystemExit, match="need --drafter"):
+        main(base + ["--rule", "exact"])
+
+
+def test_build_rule_parses_every_field_type(tiny_target):
+    rule = build_rule("cascade", tiny_target, {"delta": "0.25", "conf_gate": "none", "kl_gate": "4",
+                                               "use_convergence": "false", "conv_mode": "path"})  # fmt: skip
+    assert (rule.delta, rule.conf_gate, rule.kl_gate, rule.use_convergence, rule.conv_mode) == (
+        0.25, None, 4.0, False, "path"
+    )  # fmt: skip
+    lantern = build_rule("lantern", tiny_target, {"k": "5"})
+    assert lantern.k == 5 and lantern.neighbours.shape == (64, 6) and lantern.lam is None
+    assert build_rule("lantern++", tiny_target).lam == 3.0
+    assert build_rule("gsd", tiny_target, {"group": "7"}).group == 7

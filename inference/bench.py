@@ -1,0 +1,621 @@
+"""Benchmark AR sampling and the tree decoder's verification rules on one prompt set: speed, tau and quality.
+
+    python -m inference.bench --target toy --drafter outputs/drafters/demo \\
+        --rules ar,exact,lantern,lantern++,gsd,cascade --num-prompts 32 --out bench.json
+    python -m inference.bench --target toy --drafter outputs/drafters/demo --num-prompts 32 --sweep \\
+        --out sweep.json --plot pareto.png
+
+One table, one row per method:
+
+- tau: accepted draft tokens + 1 per target verification forward (the +1 is the bonus/correction
+  token every forward also yields), over all verification steps of all images (AR: 1);
+- target and drafter forwards per image (target: the prefill, which yields token 0, included);
+- wall seconds per image and the speedup over AR measured in the same run: every prompt is decoded
+  by every method in turn, the order rotating from prompt to prompt, after one warm-up decode per
+  method, so that machine load falls on all methods alike; images are decoded one at a time;
+- prompt fidelity (the toy world's `SceneReader`: every attribute read back from the pixels matches
+  the caption; ± one binomial standard error) and the FID-style distance to the AR images of the
+  same prompts (`models.toy_metrics.frechet_distance`, the reader's 256-d features). With N images
+  and N < 256 the feature covariances are singular and the distance is biased upwards: compare rows
+  of one run only; the AR row shows the distance between two independent AR draws, the noise floor;
+- where the time of a step goes: the rule (`inference.verify.verify`), the target forward over the
+  tree, drafting, and building the target view (CFG, softmax), in ms per verification step, and the
+  rule's share of the step. They are timed by wrappers installed around those functions for the run
+  (`StepTimer`; on CUDA each wrapper synchronises, which perturbs the timing a little).
+
+`--sweep` decodes the prompts with a grid of rule settings instead (CASCADE's delta and thresholds,
+LANTERN's delta, LANTERN++'s lambda, GSD's group size; `SWEEP_GRID`, or `--sweep-grid FILE.json`)
+and draws tau against fidelity and FID-style distance, one series per rule, into a PNG (`--plot`).
+
+Rule settings: `--rule-arg RULE.NAME=VALUE` (repeatable) sets a field of a rule's dataclass
+(`inference.verify`), e.g. `cascade.delta=0.3`; a method may carry a label, `--rules cascade@wide`,
+addressed as `cascade@wide.delta=1.0` (settings of `cascade.` apply to every cascade label).
+
+Shapes: N prompts, G image tokens, H x W x 3 images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+import inference.speculative as speculative
+from inference.generate import (
+    RULE_CLASSES,
+    TAU_DEFINITION,
+    add_decoder_arguments,
+    build_rule,
+    decoder_config,
+    generate_ar,
+    read_prompt_lines,
+    rule_settings,
+)
+from inference.speculative import DecoderConfig, generate_speculative
+from inference.verify import Rule
+from models.registry import load_target
+from models.target import ImageTarget, SamplingDefaults
+
+FID_NOTE = (
+    "FID-style distance in the SceneReader's 256-d feature space to the AR images of the same prompts; "
+    "with fewer images than feature dimensions the covariances are singular and the value is biased upwards, "
+    "so compare rows of one run only; the AR row is the distance between two independent AR draws (noise floor)"
+)
+TIMING_NOTE = (
+    "ms per verification step inside the decoder, timed with perf_counter around inference.verify.verify "
+    "(the rule), the target forward over the tree, drafting (inference.speculative._draft) and build_target_view; "
+    "AR: per generated token; verify_share = verify time / wall time per step"
+)
+
+SweepPoint = tuple[str, str, dict[str, object]]  # (series, rule, options)
+
+
+def _series(series: str, rule: str, *options: Mapping[str, object]) -> list[SweepPoint]:
+    return [(series, rule, dict(o)) for o in options]
+
+
+SWEEP_GRID: list[SweepPoint] = [
+    *_series("exact", "exact", {}),
+    *_series("cascade", "cascade", *({"delta": d} for d in (0.5, 1.0))),
+    *_series("cascade+beyond", "cascade", *({"delta": d, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5, 1.0))),
+    *_series(
+        "cascade+beyond tau_seq=0",
+        "cascade",
+        *({"delta": d, "tau_seq": 0.0, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5, 1.0)),
+    ),
+    *_series(
+        "cascade+beyond conf_gate=0.8",
+        "cascade",
+        *({"delta": d, "conf_gate": 0.8, "pool_beyond_tree": True} for d in (0.25, 0.5, 1.0)),
+    ),
+    *_series("lantern", "lantern", *({"delta": d} for d in (0.05, 0.1, 0.2, 0.4))),
+    *_series("lantern reject=pooled", "lantern", *({"delta": d, "reject_zeroes": "pooled"} for d in (0.1, 0.4))),
+    *_series("lantern++", "lantern++", *({"lam": lam} for lam in (1.5, 3.0, 5.0, 10.0))),
+    *_series("gsd", "gsd", *({"group": g} for g in (2, 3, 5))),
+]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: AR or a rule with settings."""
+
+    label: str  # "ar", "cascade", "cascade@wide", or a sweep point's name
+    rule: str  # "ar" or a key of RULE_CLASSES
+    options: dict[str, object] = field(default_factory=dict)
+    series: str = ""  # sweep: the plot series
+
+
+@dataclass
+class Tally:
+    """What decoding the prompts with one method produced and cost."""
+
+    tokens: list[Tensor] = field(default_factory=list)  # N x (G,) int64
+    steps: int = 0  # verification steps (AR: generated tokens after the first)
+    tokens_per_step: float = 0.0  # sum over steps of (accepted drafts + 1)
+    target_forwards: list[int] = field(default_factory=list)
+    drafter_forwards: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    tv_charged: float = 0.0  # summed over steps
+    timings: dict[str, float] = field(default_factory=dict)  # part -> seconds
+
+
+class StepTimer:
+    """Seconds spent in the tree decoder's parts and in target forwards, while installed (`with timer:`).
+
+    Wraps `inference.speculative.{verify, build_target_view, _draft}` (looked up as module globals at
+    call time) and the target's `forward` method (an instance attribute, removed again on exit).
+    """
+
+    PARTS = {"verify": "verify", "view": "build_target_view", "draft": "_draft"}
+
+    def __init__(self, target: ImageTarget) -> None:
+        self.target = target
+        self.seconds: dict[str, float] = {}
+        cuda = target.device.type == "cuda"
+        self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self._saved: dict[str, Any] = {}
+
+    def _timed(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._sync()
+            started = time.perf_counter()
+            out = function(*args, **kwargs)
+            self._sync()
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
+            return out
+
+        return wrapper
+
+    def take(self) -> dict[str, float]:
+        """The seconds gathered since the last call, then zeroed."""
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+    def __enter__(self) -> StepTimer:
+        for part, attribute in self.PARTS.items():
+            self._saved[attribute] = getattr(speculative, attribute)
+            setattr(speculative, attribute, self._timed(part, self._saved[attribute]))
+        self.target.forward = self._timed("target", self.target.forward)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for attribute, function in self._saved.items():
+            setattr(speculative, attribute, function)
+        del self.target.forward  # back to the class's method
+        self._saved.clear()
+
+
+def parse_methods(rules: str, rule_args: Sequence[str] | None) -> list[Method]:
+    """Methods from "ar,exact,cascade@wide" and ["cascade.delta=0.3", "cascade@wide.tau_seq=0"]."""
+    labels = [item.strip() for item in rules.split(",") if item.strip()]
+    if not labels or len(set(labels)) != len(labels):
+        raise ValueError(f"--rules needs distinct comma-separated names, got {rules!r}")
+    general: dict[str, dict[str, str]] = {}
+    specific: dict[str, dict[str, str]] = {}
+    for item in rule_args or []:
+        key, sep, value = item.partition("=")
+        scope, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ValueError(f"rule argument {item!r} is not RULE.NAME=VALUE (e.g. cascade.delta=0.3)")
+        (specific if "@" in scope else general).setdefault(scope, {})[name] = value.strip()
+    methods = []
+    for label in labels:
+        rule = label.partition("@")[0]
+        if rule != "ar" and rule not in RULE_CLASSES:
+            raise ValueError(f"unknown rule {rule!r} in --rules; known: ar, {', '.join(RULE_CLASSES)}")
+        options = {**general.get(rule, {}), **specific.get(label, {})}
+        if rule == "ar" and options:
+            raise ValueError("ar takes no rule arguments")
+        methods.append(Method(label, rule, dict(options)))
+    unused = (set(general) - {m.rule for m in methods}) | (set(specific) - {m.label for m in methods})
+    if unused:
+        raise ValueError(f"--rule-arg names rules not in --rules: {', '.join(sorted(unused))}")
+    return methods
+
+
+def sweep_methods(grid: Sequence[SweepPoint], base: Sequence[Method]) -> list[Method]:
+    """AR plus one method per grid point; `base` options (from --rule-arg) apply under each point's own."""
+    base_options = {m.rule: m.options for m in base}
+    methods = [Method("ar", "ar", series="ar")]
+    for series, rule, options in grid:
+        merged = {**base_options.get(rule, {}), **options}
+        knobs = ",".join(f"{k}={v}" for k, v in options.items())
+        methods.append(Method(f"{series}[{knobs}]" if knobs else series, rule, merged, series))
+    return methods
+
+
+def build_rules(methods: Sequence[Method], target: ImageTarget) -> dict[str, Rule | None]:
+    """Each method's rule by label (None for AR); raises ValueError on a bad setting before any decoding."""
+    return {m.label: None if m.rule == "ar" else build_rule(m.rule, target, m.options) for m in methods}
+
+
+def _decode_one(
+    method: Method,
+    rule: Rule | None,
+    target: ImageTarget,
+    drafter: Any,
+    prompt: str,
+    settings: SamplingDefaults,
+    config: DecoderConfig,
+    seed: int,
+) -> tuple[Tensor, dict[str, float]]:
+    """One image: tokens (G,) and its costs."""
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    if rule is None:
+        result = generate_ar(target, [prompt], settings, generator)
+        steps = result.target_forwards - 1
+        return result.tokens[0], {"steps": steps, "plus_one": float(steps), "target": result.target_forwards,
+                                  "drafter": 0, "seconds": result.seconds, "tv": 0.0}  # fmt: skip
+    spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator)
+    accepted = spec.accepted[:, 0]
+    accepted = accepted[accepted >= 0]
+    return spec.tokens[0], {
+        "steps": int(accepted.numel()),
+        "plus_one": float((accepted + 1).sum()),
+        "target": spec.target_forwards,
+        "drafter": spec.drafter_forwards,
+        "seconds": spec.seconds,
+        "tv": spec.tv_charged * int(accepted.numel()),
+    }
+
+
+def run_methods(
+    methods: Sequence[Method],
+    rules: dict[str, Rule | None],
+    prompts: Sequence[str],
+    target: ImageTarget,
+    drafter: Any,
+    settings: SamplingDefaults,
+    config: DecoderConfig,
+    seed: int = 0,
+    warmup: bool = True,
+    second_ar_draw: bool = True,
+    progress: bool = True,
+) -> tuple[dict[str, Tally], list[Tensor]]:
+    """Decode every prompt with every method, interleaved (rotating order), and tally the results.
+
+    Returns the tallies by label and, with `second_ar_draw`, a second AR draw per prompt (other seeds)
+    for the FID noise floor.
+    """
+    if drafter is None and any(rule is not None for rule in rules.values()):
+        raise ValueError("speculative rules need a drafter (--drafter)")
+    tallies = {m.label: Tally() for m in methods}
+    floor: list[Tensor] = []
+    with StepTimer(target) as timer:
+        if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
+            for m in methods:
+                _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1)
+            timer.take()
+        for i, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, file=sys.stderr)):
+            shift = i % len(methods)
+            for m in [*methods[shift:], *methods[:shift]]:
+                tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i)
+                tally = tallies[m.label]
+                tally.tokens.append(tokens.cpu())
+                tally.steps += int(cost["steps"])
+                tally.tokens_per_step += cost["plus_one"]
+                tally.target_forwards.append(int(cost["target"]))
+                tally.drafter_forwards.append(int(cost["drafter"]))
+                tally.seconds.append(cost["seconds"])
+                tally.tv_charged += cost["tv"]
+                for part, seconds in timer.take().items():
+                    tally.timings[part] = tally.timings.get(part, 0.0) + seconds
+            if second_ar_draw:
+                generator = torch.Generator(device=target.device).manual_seed(1_000_003 + seed + i)
+                floor.append(generate_ar(target, [prompt], settings, generator).tokens[0].cpu())
+                timer.take()
+    return tallies, floor
+
+
+class Quality:
+    """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
+
+    def __init__(self, target: ImageTarget) -> None:
+        from models.toy_metrics import SceneReader
+        from models.toy_target import ASSETS
+
+        self.target = target
+        self.reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+
+    def images(self, tokens: list[Tensor]) -> Tensor:
+        """N x (G,) tokens -> (N, H, W, 3) uint8 on the CPU."""
+        return self.target.decode_images(torch.stack(tokens).to(self.target.device)).cpu()
+
+    def readable(self, images: Tensor) -> bool:
+        return tuple(images.shape[1:]) == (32, 32, 3)
+
+    def fidelity(self, images: Tensor, prompts: Sequence[str]) -> tuple[float | None, float | None]:
+        """Fraction of images matching their caption and its binomial standard error."""
+        if not self.readable(images):
+            return None, None
+        try:
+            value = self.reader.fidelity(images, list(prompts))
+        except ValueError:  # captions outside the toy grammar
+            return None, None
+        return value, math.sqrt(max(value * (1 - value), 0.0) / len(prompts))
+
+    def distance(self, reference: Tensor, images: Tensor) -> float | None:
+        from models.toy_metrics import frechet_distance
+
+        if not self.readable(images) or len(images) < 2:
+            return None
+        value = frechet_distance(reference, images, self.reader)
+        return value if math.isfinite(value) else None
+
+
+def summarise(
+    methods: Sequence[Method],
+    rules: dict[str, Rule | None],
+    tallies: dict[str, Tally],
+    floor: list[Tensor],
+    prompts: Sequence[str],
+    quality: Quality | None,
+) -> list[dict[str, Any]]:
+    """One JSON-ready record per method: tau, forwards, time, speedup, quality, time split per step."""
+    ar = next((tallies[m.label] for m in methods if m.rule == "ar"), None)
+    ar_seconds = float(np.mean(ar.seconds)) if ar else None
+    images = {m.label: quality.images(tallies[m.label].tokens) for m in methods} if quality else {}
+    reference = images.get(next((m.label for m in methods if m.rule == "ar"), ""), None)
+    records = []
+    for m in methods:
+        tally = tallies[m.label]
+        seconds = float(np.mean(tally.seconds))
+        steps = max(tally.steps, 1)
+        per_step = {part: 1000 * value / steps for part, value in sorted(tally.timings.items())}
+        step_ms = 1000 * float(np.sum(tally.seconds)) / steps
+        target_ms = per_step.get("target")
+        fidelity, fidelity_se, fid = None, None, None
+        if quality:
+            fidelity, fidelity_se = quality.fidelity(images[m.label], prompts)
+            if reference is not None and m.rule == "ar" and floor:
+                fid = quality.distance(reference, quality.images(floor))
+            elif reference is not None and m.rule != "ar":
+                fid = quality.distance(reference, images[m.label])
+        rule = rules[m.label]
+        settings = {} if rule is None else {k: v for k, v in rule_settings(rule).items() if k != "rule"}
+        records.append(
+            {
+                "label": m.label,
+                "rule": m.rule,
+                "series": m.series or m.label,
+                "settings": settings,
+                "tau": tally.tokens_per_step / steps,
+                "verification_steps": tally.steps,
+                "target_forwards_per_image": float(np.mean(tally.target_forwards)),
+                "drafter_forwards_per_image": float(np.mean(tally.drafter_forwards)),
+                "seconds_per_image": seconds,
+                "seconds_per_image_median": float(np.median(tally.seconds)),
+                "speedup_vs_ar": ar_seconds / seconds if ar_seconds else None,
+                "fidelity": fidelity,
+                "fidelity_se": fidelity_se,
+                "fid_vs_ar": fid,
+                "ms_per_step": {**per_step, "wall": step_ms},
+                "verify_share": per_step["verify"] / step_ms if "verify" in per_step and step_ms else None,
+                "verify_vs_target": per_step["verify"] / target_ms if "verify" in per_step and target_ms else None,
+                "tv_charged_per_step": tally.tv_charged / steps,
+            }
+        )
+    return records
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(records: Sequence[dict[str, Any]]) -> str:
+    """The records as an aligned text table."""
+    header = ["method", "tau", "tgt fwd/img", "drf fwd/img", "s/img", "speedup", "fidelity", "FID vs AR",
+              "verify ms/step", "target ms/step", "draft ms/step", "verify share", "TV/step"]  # fmt: skip
+    rows = [header]
+    for r in records:
+        ms = r["ms_per_step"]
+        fidelity = "-" if r["fidelity"] is None else f"{r['fidelity']:.3f}±{r['fidelity_se']:.3f}"
+        fid = _cell(r["fid_vs_ar"], ".1f") + ("*" if r["rule"] == "ar" and r["fid_vs_ar"] is not None else "")
+        rows.append(
+            [
+                r["label"],
+                f"{r['tau']:.2f}",
+                f"{r['target_forwards_per_image']:.1f}",
+                f"{r['drafter_forwards_per_image']:.1f}",
+                f"{r['seconds_per_image']:.3f}",
+                _cell(r["speedup_vs_ar"], ".2f") + ("x" if r["speedup_vs_ar"] is not None else ""),
+                fidelity,
+                fid,
+                _cell(ms.get("verify"), ".2f"),
+                _cell(ms.get("target"), ".2f"),
+                _cell(ms.get("draft"), ".2f"),
+                "-" if r["verify_share"] is None else f"{100 * r['verify_share']:.0f}%",
+                f"{r['tv_charged_per_step']:.3f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points not dominated in (x up, y up), sorted by x."""
+    front = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
+    return sorted(set(front))
+
+
+def plot_sweep(records: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    """Tau against fidelity (left, ± one standard error) and FID-style distance to AR (right), one series
+    per rule, each point annotated with the settings that vary within its series; written to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        series.setdefault(r["series"], []).append(r)
+    ar = next((r for r in records if r["rule"] == "ar"), None)
+    panels = ((axes[0], "fidelity", "prompt fidelity (higher is better)"),
+              (axes[1], "fid_vs_ar", "FID-style distance to AR (lower is better)"))  # fmt: skip
+    for ax, key, label in panels:
+        for index, (name, points) in enumerate(series.items()):
+            pts = sorted((p for p in points if p[key] is not None), key=lambda p: (p["tau"], p[key]))
+            if name == "ar" or not pts:
+                continue
+            colour = f"C{index % 10}"
+            xs, ys = [p["tau"] for p in pts], [p[key] for p in pts]
+            ax.plot(xs, ys, marker="o", color=colour, label=name)
+            if key == "fidelity":
+                ax.errorbar(xs, ys, yerr=[p["fidelity_se"] for p in pts], fmt="none", ecolor=colour, alpha=0.3)
+            varying = _varying_settings(points)
+            for p in pts:
+                text = ",".join(f"{k}={p['settings'].get(k)}" for k in varying)
+                if text:
+                    ax.annotate(text, (p["tau"], p[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if ar and ar[key] is not None:
+            ax.axhline(ar[key], color="black", linestyle=":", label="AR" if key == "fidelity" else "AR vs AR (floor)")
+            if key == "fidelity":
+                ax.axhspan(ar[key] - 0.03, ar[key] + 0.03, color="grey", alpha=0.15, label="AR ± 0.03")
+        sign = 1.0 if key == "fidelity" else -1.0  # the front maximises tau and quality
+        front = pareto_front([(r["tau"], sign * r[key]) for r in records if r[key] is not None and r["rule"] != "ar"])
+        if front:
+            ax.step([x for x, _ in front], [sign * y for _, y in front], where="post",
+                    color="grey", linestyle="--", linewidth=0.8, label="Pareto front")  # fmt: skip
+        ax.set_xlabel("tau (accepted drafts + 1 per target forward)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _varying_settings(points: Sequence[dict[str, Any]]) -> list[str]:
+    """The setting names whose values differ between the points of one series."""
+    names = sorted({k for p in points for k in p["settings"]})
+    return [k for k in names if len({json.dumps(p["settings"].get(k)) for p in points}) > 1]
+
+
+def sweep_title(summary: dict[str, Any]) -> str:
+    """The plot title: target, drafter, prompts and tree of a bench summary."""
+    tree = summary["tree"]
+    return (f"{summary['target']}, drafter {summary['drafter']}, {summary['num_prompts']} prompts "
+            f"({summary['prompt_source']}), tree {tree['tree']} top_k={tree['top_k']} depth={tree['depth']} "
+            f"total={tree['total_tokens']}")  # fmt: skip
+
+
+def load_grid(path: Path) -> list[SweepPoint]:
+    """A sweep grid from JSON: [{"series": ..., "rule": ..., "options": {...}}, ...]."""
+    entries = json.loads(path.read_text())
+    return [(e.get("series", e["rule"]), e["rule"], dict(e.get("options", {}))) for e in entries]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="toy", help="target name (default: toy)")
+    add_decoder_arguments(parser)
+    parser.add_argument("--rules", default="ar,exact,lantern,lantern++,gsd,cascade",
+                        help="comma-separated methods: ar and rules, optionally labelled RULE@LABEL")  # fmt: skip
+    parser.add_argument("--rule-arg", action="append", metavar="RULE.NAME=VALUE", help="set a rule field")
+    parser.add_argument("--num-prompts", type=int, default=32, help="held-out toy prompts (default 32)")
+    parser.add_argument("--prompt-seed", type=int, default=5, help="seed of the held-out toy prompt draw")
+    parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (instead of toy prompts)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
+    parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the target's)")
+    parser.add_argument("--temperature", type=float, help="default: the target's")
+    parser.add_argument("--top-k", type=int, help="default: the target's")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up decode per method")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", type=Path, help="write the records as JSON here")
+    parser.add_argument("--sweep", action="store_true", help="decode a grid of rule settings (see SWEEP_GRID)")
+    parser.add_argument("--sweep-grid", type=Path, help="JSON grid [{series, rule, options}] instead of SWEEP_GRID")
+    parser.add_argument("--plot", type=Path, help="sweep: Pareto plot PNG (default: next to --out, or pareto.png)")
+    parser.add_argument("--replot", type=Path, help="only redraw the plot of a sweep JSON written by --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = build_parser().parse_args(argv)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        plot_sweep(saved["records"], args.plot or args.replot.with_suffix(".png"), sweep_title(saved))
+        print(f"wrote the Pareto plot to {args.plot or args.replot.with_suffix('.png')}")
+        return list(saved["records"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        methods = parse_methods(args.rules, args.rule_arg)
+        if args.sweep:
+            methods = sweep_methods(load_grid(args.sweep_grid) if args.sweep_grid else SWEEP_GRID, methods)
+        config = decoder_config(args)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    target = load_target(args.target)
+    overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k")}
+    settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
+    if args.prompts:
+        prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
+    else:
+        from data.prompts import toy_prompts
+
+        prompts = [p.text for p in toy_prompts(args.num_prompts, seed=args.prompt_seed, split="heldout")]
+    drafter = None
+    if args.drafter:
+        from inference.eagle import EagleDrafter
+
+        drafter = EagleDrafter.from_pretrained(args.drafter, target)
+    try:
+        rules = build_rules(methods, target)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    has_ar = any(m.rule == "ar" for m in methods)
+    started = time.perf_counter()
+    tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
+                                 warmup=not args.no_warmup, second_ar_draw=has_ar)  # fmt: skip
+    elapsed = time.perf_counter() - started
+    quality = Quality(target) if target.geometry.image_size == (32, 32) else None
+    records = summarise(methods, rules, tallies, floor, prompts, quality)
+    print(format_table(records))
+    print(f"{len(prompts)} prompts, {len(methods)} methods, {elapsed:.0f} s; {TAU_DEFINITION}.")
+    print(f"FID vs AR: {FID_NOTE}. Speedup: mean s/img of AR over the method's, same interleaved run.")
+    summary: dict[str, Any] = {
+        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
+        "target": args.target,
+        "drafter": str(args.drafter) if args.drafter else None,
+        "sampling": dataclasses.asdict(settings),
+        "tree": dataclasses.asdict(config),
+        "num_prompts": len(prompts),
+        "prompts": list(prompts),
+        "prompt_source": str(args.prompts) if args.prompts else f"toy heldout, seed {args.prompt_seed}",
+        "seed": args.seed,
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "seconds": elapsed,
+        "tau_definition": TAU_DEFINITION,
+        "fid_note": FID_NOTE,
+        "timing_note": TIMING_NOTE,
+        "records": records,
+    }
+    if args.out:
+        _write_json(summary, args.out)
+    if args.sweep:
+        plot = args.plot or (args.out.with_suffix(".png") if args.out else Path("pareto.png"))
+        plot_sweep(records, plot, sweep_title(summary))
+        summary["plot"] = str(plot)
+        print(f"wrote the Pareto plot to {plot}")
+        if args.out:
+            _write_json(summary, args.out)
+    if args.out:
+        print(f"wrote {args.out}")
+    return records
+
+
+def _write_json(summary: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

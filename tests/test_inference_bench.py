@@ -1,0 +1,101 @@
+"""`python -m inference.bench`: one interleaved run of AR and the rules gives tau, forwards, time, speedup,
+quality and the time split per step; `--sweep` draws the speed-quality plot. Tiny random models, seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_tiny_toy_target
+from PIL import Image
+
+import inference.speculative as speculative
+from inference.bench import StepTimer, main, pareto_front, parse_methods
+from models.eagle import EagleDraftModel, drafter_preset
+from models.registry import TARGET_LOADERS
+
+TREE = "--tree dynamic --tree-top-k 3 --tree-depth 3 --tree-total 10".split()
+
+
+@pytest.fixture
+def drafter(tmp_path, monkeypatch):
+    """--target tiny-bench: the tiny random target at the toy world's 32 x 32 pixels (8 x 8 tokens), so the
+    scene reader can score it; and a tiny random EAGLE-3 drafter folder for it."""
+    monkeypatch.setitem(TARGET_LOADERS, "tiny-bench", lambda **kwargs: build_tiny_toy_target(grid=8))
+    torch.manual_seed(0)
+    return EagleDraftModel(drafter_preset("tiny", "eagle3")).save_pretrained(tmp_path / "drafter")
+
+
+def test_bench_reports_tau_forwards_speed_quality_and_time_split(drafter, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--rules", "ar,exact,cascade", "--num-prompts", "2"]
+    records = main(argv + ["--out", str(out), "--rule-arg", "cascade.delta=0.4", *TREE])
+    summary = json.loads(out.read_text())
+    assert [r["label"] for r in summary["records"]] == ["ar", "exact", "cascade"] == [r["label"] for r in records]
+    assert summary["num_prompts"] == 2 and "bonus" in summary["tau_definition"] and "noise floor" in summary["fid_note"]
+    ar, exact, cascade = summary["records"]
+    assert ar["tau"] == 1.0 and ar["target_forwards_per_image"] == 64 and ar["speedup_vs_ar"] == pytest.approx(1.0)
+    assert cascade["settings"]["delta"] == 0.4 and exact["settings"] == {}
+    for r in (exact, cascade):
+        assert 1.0 <= r["tau"] <= 4.0
+        # 64 tokens: the prefill's + (tau per verification step) x (target forwards - 1)
+        assert r["tau"] * (r["target_forwards_per_image"] - 1) == pytest.approx(63, abs=1e-3)
+        assert r["drafter_forwards_per_image"] > 0 and r["seconds_per_image"] > 0 and r["speedup_vs_ar"] > 0
+        assert {"verify", "target", "draft", "view", "wall"} <= set(r["ms_per_step"])
+        assert 0 < r["verify_share"] < 1 and r["verify_vs_target"] > 0
+    for r in (ar, exact, cascade):
+        assert 0.0 <= r["fidelity"] <= 1.0 and r["fidelity_se"] >= 0.0
+        assert r["fid_vs_ar"] is None or r["fid_vs_ar"] >= 0.0
+    assert exact["tv_charged_per_step"] == 0.0 and cascade["tv_charged_per_step"] <= 0.4 + 1e-6
+    table = capsys.readouterr().out
+    assert "tau" in table and "speedup" in table and "verify share" in table and "cascade" in table
+
+
+def test_sweep_writes_a_pareto_plot_and_its_points(drafter, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([
+        {"series": "exact", "rule": "exact"},
+        {"series": "cascade", "rule": "cascade", "options": {"delta": 0.2, "pool_beyond_tree": True}},
+        {"series": "cascade", "rule": "cascade", "options": {"delta": 0.8, "pool_beyond_tree": True}},
+    ]))  # fmt: skip
+    out, plot = tmp_path / "sweep.json", tmp_path / "pareto.png"
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--num-prompts", "2", "--sweep", "--no-warmup"]
+    main(argv + ["--sweep-grid", str(grid), "--out", str(out), "--plot", str(plot), *TREE])
+    summary = json.loads(out.read_text())
+    assert summary["plot"] == str(plot) and Image.open(plot).size[0] > 400
+    labels = [r["label"] for r in summary["records"]]
+    assert labels == [
+        "ar",
+        "exact",
+        "cascade[delta=0.2,pool_beyond_tree=True]",
+        "cascade[delta=0.8,pool_beyond_tree=True]",
+    ]
+    assert [r["series"] for r in summary["records"]] == ["ar", "exact", "cascade", "cascade"]
+    assert summary["records"][3]["settings"]["delta"] == 0.8
+
+
+def test_methods_labels_and_scoped_rule_arguments():
+    methods = parse_methods("ar,cascade,cascade@wide", ["cascade.delta=0.3", "cascade@wide.tau_seq=0"])
+    assert [(m.label, m.rule, m.options) for m in methods] == [
+        ("ar", "ar", {}),
+        ("cascade", "cascade", {"delta": "0.3"}),
+        ("cascade@wide", "cascade", {"delta": "0.3", "tau_seq": "0"}),
+    ]
+    with pytest.raises(ValueError, match="not in --rules"):
+        parse_methods("ar,exact", ["gsd.group=3"])
+    with pytest.raises(ValueError, match="unknown rule"):
+        parse_methods("ar,medusa", None)
+
+
+def test_step_timer_times_the_parts_and_restores_them(tiny_target):
+    before = (speculative.verify, speculative.build_target_view, speculative._draft)
+    with StepTimer(tiny_target) as timer:
+        assert speculative.verify is not before[0] and "forward" in vars(tiny_target)
+        tiny_target.forward  # noqa: B018 - the wrapper is reachable
+    assert (speculative.verify, speculative.build_target_view, speculative._draft) == before
+    assert "forward" not in vars(tiny_target) and timer.take() == {}
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    assert pareto_front([(1, 0.5), (2, 0.4), (1.5, 0.3), (3, 0.1), (2, 0.2)]) == [(1, 0.5), (2, 0.4), (3, 0.1)]
