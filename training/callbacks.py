@@ -29,28 +29,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from inference.eagle import EagleDrafter
-from inference.generate import generate_ar, image_grid
+from inference.generate import build_rule, generate_ar, image_grid
 from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import CascadeRule, ExactRule, GSDRule, Rule
 from models.target import ImageTarget
-
-SIMPLE_RULES: dict[str, type] = {"exact": ExactRule, "cascade": CascadeRule, "gsd": GSDRule}
-
-
-def build_rule(name: str, target: ImageTarget) -> Rule:
-    """A verification rule by name with its defaults (LANTERN rules need the target's VQ codebook)."""
-    if name in SIMPLE_RULES:
-        return SIMPLE_RULES[name]()
-    if name in ("lantern", "lantern++"):
-        from inference.verify import LanternRule, build_latent_neighbours
-
-        codebook = getattr(getattr(target, "vq", None), "codebook", None)
-        if codebook is None:
-            raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
-        k = max(1, min(1000, codebook.shape[0] // 16))  # LANTERN's 1000 of 16384 codes, scaled to the codebook
-        neighbours = build_latent_neighbours(codebook, k + 1)
-        return LanternRule(neighbours=neighbours, k=k, lam=3.0 if name == "lantern++" else None)
-    raise ValueError(f"unknown rule {name!r}; use exact, cascade, gsd, lantern or lantern++")
 
 
 def held_out_prompts(target: ImageTarget, count: int, seed: int) -> list[str]:
@@ -67,7 +48,7 @@ class DecodeValidation(Callback):
     """Decode held-out prompts with the current drafter at validation; log tau per rule, fidelity and a grid.
 
     Args:
-        rules: verification rules to run (exact, cascade, gsd, lantern, lantern++).
+        rules: verification rules to run (exact, cascade, gsd, lantern, lantern++; `inference.generate.build_rule`).
         num_prompts: K held-out prompts per evaluation, split across ranks.
         every_n_validations: run at every n-th validation (0 = off); always after the last training step.
         tree: "dynamic" (EAGLE-2: top_k, depth, total_tokens) or "static" (naive_extend_57).
