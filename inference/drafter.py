@@ -11,7 +11,8 @@ drafter itself deeper in a draft tree:
   drafter's fc; deeper levels feed back the drafter's own hidden (no fc): `from_target=False`.
 
 The drafter runs every CFG row ([cond; uncond]) and returns raw logits; the decoder applies the
-target's processing (CFG, temperature, top-k, top-p) to them (cascade.md §2.1).
+target's processing (CFG, the target's `constrain_logits` at the image index each element predicts,
+temperature, top-k, top-p) to them (cascade.md §2.1).
 
 Cache protocol: pairs with `from_target=True` are committed context. While drafting a tree the
 decoder notes `tree_start = cache.length`, calls the drafter once per level with `tree_start` and
@@ -103,12 +104,23 @@ def to_rows(x: Tensor, cfg: bool) -> Tensor:
     return torch.cat([x, x]) if cfg else x
 
 
-def draft_distribution(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tensor:
+def draft_distribution(
+    logits: Tensor,
+    settings: SamplingDefaults,
+    cfg: bool,
+    target: ImageTarget | None = None,
+    token_index: Tensor | None = None,
+) -> Tensor:
     """The target's processing applied to drafter logits: (R, T, V) -> q (B, T, V).
 
-    Greedy settings (temperature 0) keep the logits unscaled, so q still ranks the candidates.
+    CFG, then (given `target` and `token_index` (B, T), the image index each element predicts) the
+    target's `constrain_logits`, then temperature, top-k, top-p. Greedy settings (temperature 0) keep
+    the logits unscaled, so q still ranks the candidates.
     """
-    return filter_logits(guided_logits(logits, settings, cfg), settings).float().softmax(-1)
+    guided = guided_logits(logits, settings, cfg)
+    if target is not None and token_index is not None:
+        guided = target.constrain_logits(guided, token_index)
+    return filter_logits(guided, settings).float().softmax(-1)
 
 
 @dataclass
@@ -140,7 +152,9 @@ class DraftContext:
             tree_mask=to_rows(tree_mask, self.cfg),
         )
         self.forwards += 1
-        return draft_distribution(out.logits, self.settings, self.cfg), out.hidden
+        predicted = (self.root_index[:, None] + depth + 1).clamp_max(self.target.geometry.num_tokens - 1)
+        q = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted.expand_as(tokens))
+        return q, out.hidden
 
 
 def draft_static_tree(

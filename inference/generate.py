@@ -7,8 +7,9 @@
         --prompts prompts.txt --out samples/
 
 writes one PNG per image, `grid.png` with all of them, and `generation.json` with the settings,
-prompts and per-image statistics. Sampling follows the target's official order (CFG, temperature,
-top-k, top-p); every setting defaults to the target's own and can be overridden on the command line.
+prompts and per-image statistics. Sampling follows the target's official order (CFG, the target's
+layout constraint `constrain_logits`, temperature, top-k, top-p); every setting defaults to the
+target's own and can be overridden on the command line.
 
 Without `--drafter` every image token costs one target forward (AR). With `--drafter` the tree
 decoder (`inference.speculative`) drafts a tree per step and verifies it with `--rule` (exact,
@@ -101,6 +102,7 @@ def generate_ar(
     top1 = torch.zeros((), device=logits.device)
     for index in tqdm(range(num_tokens), desc="image tokens", disable=not progress, leave=False):
         guided = guided_logits(logits, settings, cfg)  # (B, V)
+        guided = target.constrain_logits(guided, torch.full((len(prompts),), index, device=guided.device))
         probabilities = sampling_probabilities(guided, settings)
         entropy += -(probabilities * probabilities.clamp_min(1e-30).log()).sum(-1).mean()
         top1 += probabilities.max(-1).values.mean()

@@ -12,7 +12,8 @@ After prefilling target and drafter, every step (EAGLE-1/2, peers.md §1.8; casc
    dropped; it re-reads the path with target features at step 1).
 
 CFG rows stay together: drafter and target both run [cond; uncond] rows, and the target's logits
-processing (CFG, temperature, top-k, top-p) is applied to drafter logits too. Batches of B >= 1
+processing (CFG, the target's layout constraint `constrain_logits`, temperature, top-k, top-p) is
+applied to drafter logits too. Batches of B >= 1
 prompts are supported: rows that accept fewer drafts than others pad the committed columns, which
 are marked invalid in `KVCache.column_valid` (and squeezed out by `KVCache.compact` when the cache fills).
 
@@ -123,9 +124,24 @@ def target_features(out: TargetOutput, drafter: Drafter) -> Tensor:
     return out.hidden
 
 
-def build_target_view(out: TargetOutput, rule: Rule, settings: SamplingDefaults, cfg: bool, greedy: bool) -> TargetView:
-    """Target distributions at the tree nodes, CFG rows combined. logits (R, N, V) -> probs (B, N, V)."""
-    guided = guided_logits(out.logits, settings, cfg).float()  # (B, N, V)
+def build_target_view(
+    out: TargetOutput,
+    rule: Rule,
+    settings: SamplingDefaults,
+    cfg: bool,
+    greedy: bool,
+    target: ImageTarget | None = None,
+    token_index: Tensor | None = None,
+) -> TargetView:
+    """Target distributions at the tree nodes, CFG rows combined. logits (R, N, V) -> probs (B, N, V).
+
+    Given `target` and `token_index` (B, N), the image index each node predicts, the target's
+    `constrain_logits` is applied right after CFG.
+    """
+    guided = guided_logits(out.logits, settings, cfg)  # (B, N, V)
+    if target is not None and token_index is not None:
+        guided = target.constrain_logits(guided, token_index)
+    guided = guided.float()
     probs = filter_logits(guided, settings).softmax(-1) if greedy else sampling_probabilities(guided, settings)
     features = None
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
@@ -160,7 +176,9 @@ def _draft(
     )
     last = to_rows(pending.valid.sum(1) - 1, ctx.cfg)  # (R,) the bonus token's element
     rows = torch.arange(last.shape[0], device=last.device)
-    root_q = draft_distribution(out.logits[rows, last][:, None], ctx.settings, ctx.cfg)[:, 0]  # (B, V)
+    predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
+    root_q = draft_distribution(out.logits[rows, last][:, None], ctx.settings, ctx.cfg, ctx.target, predicted)
+    root_q = root_q[:, 0]  # (B, V)
     root_hidden = out.hidden[rows, last]  # (R, D)
     tree_start = ctx.cache.length
     if config.tree == "static":
@@ -233,7 +251,11 @@ def generate_speculative(
     use_aux = drafter.feature_source == "aux"
     prefix = target.prefill(conditioning, target_cache, return_aux=use_aux)
     drafter.prefill(conditioning, prefix, drafter_cache)
-    first = sample_tokens(guided_logits(prefix.logits[:, -1], settings, cfg), settings, generator)  # (B,) token 0
+    first_logits = guided_logits(prefix.logits[:, -1], settings, cfg)  # (B, V): predicts token 0
+    first_logits = target.constrain_logits(
+        first_logits, torch.zeros(batch, dtype=torch.long, device=first_logits.device)
+    )
+    first = sample_tokens(first_logits, settings, generator)  # (B,) token 0
     tokens = torch.zeros(batch, num_tokens + width_max, dtype=torch.long, device=first.device)
     tokens[:, 0] = first
     count = torch.ones(batch, dtype=torch.long, device=first.device)  # tokens generated so far
@@ -262,7 +284,8 @@ def generate_speculative(
             to_rows(tree.attention_mask, cfg),
             return_aux=use_aux,
         )  # step 3
-        view = build_target_view(out, rule, settings, cfg, greedy)
+        predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
+        view = build_target_view(out, rule, settings, cfg, greedy, target, predicted)
         max_accept = (num_tokens - count - 1).clamp_min(0)
         verdict = verify(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
         num_accepted = torch.where(live, verdict.num_accepted, 0)

@@ -28,10 +28,10 @@ names it, for a decoder that wants to emit the full Chameleon span (`chameleon_i
 
 Layout rule (upstream `MultiModalLogitsProcessor`): `layout_mask(token_index)` gives, per image
 token index, the allowed V entries (codes only at code slots, only end-of-line at row ends, only
-end-of-image at index G); `apply_layout` turns it into -inf logits. **The decoders of this repo
-(`inference/generate.py`, `inference/speculative.py`) do not apply it yet**: `forward` returns the raw
-image logits of all V entries (another developer wires the rule in; the right place is after CFG and
-before temperature/top-k, upstream's order: CFG -> layout mask -> top-k 2000).
+end-of-image at index G); `apply_layout` turns it into -inf logits. `forward` returns the raw image
+logits of all V entries; the decoders (`inference/generate.py`, `inference/speculative.py`,
+`inference/drafter.py`) apply the rule through `constrain_logits` after CFG and before
+temperature/top-k, upstream's order (CFG -> layout mask -> top-k 2000), to target and drafter logits.
 
 Prefix and CFG (upstream `LLMImageStartTriggeredUnbatchedClassifierFreeGuidanceLogitsProcessor`):
 the conditional row is BOS + the prompt turn + the image header; the model itself emits the header
@@ -412,7 +412,7 @@ class LuminaTarget(ImageTarget):
 
         Upstream `MultiModalLogitsProcessor`: at a row end (index % (cols + 1) == cols) only end-of-line,
         at index G (after the last row) only end-of-image, elsewhere only the K codes. Not applied by
-        `forward` nor yet by this repo's decoders (see the module docstring).
+        `forward`; the decoders apply it through `constrain_logits` (see the module docstring).
         """
         token_index = torch.as_tensor(token_index, device=self.token_ids.device)
         if (token_index < 0).any() or (token_index > self.geometry.num_tokens).any():
@@ -427,6 +427,10 @@ class LuminaTarget(ImageTarget):
     def apply_layout(self, logits: Tensor, token_index: Tensor) -> Tensor:
         """`logits` (..., V) with the entries `layout_mask(token_index)` forbids set to -inf."""
         return logits.masked_fill(~self.layout_mask(token_index).to(logits.device), float("-inf"))
+
+    def constrain_logits(self, logits: Tensor, token_index: Tensor) -> Tensor:
+        """The layout rule as the decoders' hook: guided logits (B, ..., V) at indices (B, ...)."""
+        return self.apply_layout(logits, token_index)
 
     # ------------------------------------------------------------------ decoding
 

@@ -14,7 +14,9 @@ vocabulary:
 - `embed_image_tokens` and `image_head` are the frozen input embedding and output head over image
   codes, for drafters to reuse;
 - `sampling` holds the official sampling defaults and `geometry` the token grid and pixel size;
-  `decode_images` turns image tokens into pixels.
+  `decode_images` turns image tokens into pixels;
+- `constrain_logits(logits, token_index)` forbids tokens the image layout rules out at an index
+  (-inf logits), applied by every decoder after CFG; by default it constrains nothing.
 
 Shapes: B prompts, R rows (2B with CFG, else B), T new tokens, C prefix length, D hidden size,
 V image vocabulary, G image tokens per image.
@@ -181,3 +183,12 @@ class ImageTarget(ABC):
     @abstractmethod
     def decode_images(self, tokens: Tensor) -> Tensor:
         """(B, G) image tokens -> (B, H, W, 3) uint8 pixels."""
+
+    def constrain_logits(self, logits: Tensor, token_index: Tensor) -> Tensor:
+        """Guided image logits (B, ..., V) of image indices `token_index` (B, ...) -> the same logits with the
+        tokens the target's layout forbids there set to -inf.
+
+        Decoders call it right after CFG and before temperature/top-k/top-p, on target and drafter logits
+        alike. Default: no constraint, `logits` returned unchanged (the same tensor).
+        """
+        return logits

@@ -18,6 +18,7 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
 from inference.verify import CascadeRule, ExactRule, GSDRule, LanternRule, build_latent_neighbours
 from models.kv_cache import KVCache
+from models.toy_target import ToyTarget
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DYNAMIC = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)
@@ -267,3 +268,76 @@ def test_finished_images_stop_filling_the_cache_while_others_continue():
     assert torch.equal(result.tokens, generate_ar(target, prompts, settings).tokens)
     idle = (result.accepted[:, 0] < 0).sum()
     assert idle > 9 + 7  # prompt 0 idled longer than the cache's spare columns (G // 4 + tree depth + 1)
+
+
+class _EveryThirdTarget(ToyTarget):
+    """A toy target with a layout rule: at image indices i with i % 3 == 0 only token i % V may appear."""
+
+    def constrain_logits(self, logits: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+        index = token_index.to(logits.device)[..., None]  # (B, ..., 1)
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        forbidden = (index % 3 == 0) & (vocab != index % logits.shape[-1])
+        return logits.masked_fill(forbidden, float("-inf"))
+
+
+def constrained(target: ToyTarget) -> _EveryThirdTarget:
+    target.__class__ = _EveryThirdTarget
+    return target
+
+
+def obeys_rule(tokens: torch.Tensor, vocab: int) -> bool:
+    index = torch.arange(tokens.shape[1])
+    ruled = index % 3 == 0
+    return bool(tokens[:, ruled].eq(index[ruled] % vocab).all())
+
+
+@pytest.mark.parametrize(
+    "config, make_drafter",
+    [
+        (STATIC, lambda t: OracleDrafter(t, wrong_every=3)),
+        (DYNAMIC, lambda t: OracleDrafter(t, scale=0.3)),
+        (DYNAMIC, lambda t: FixedLogitsDrafter(torch.randn(64, generator=torch.Generator().manual_seed(0)))),
+    ],
+    ids=["static-partial", "dynamic-blurred", "dynamic-fixed"],
+)
+def test_greedy_decoding_obeys_the_targets_constraint(config, make_drafter):
+    settings = greedy(build_tiny_toy_target())
+    assert not obeys_rule(generate_ar(build_tiny_toy_target(), PROMPTS, settings).tokens, 64)  # the rule bites
+    target = constrained(build_tiny_toy_target())
+    expected = generate_ar(target, PROMPTS, settings).tokens
+    assert obeys_rule(expected, 64)
+    result = generate_speculative(target, make_drafter(target), PROMPTS, ExactRule(), config, settings)
+    assert torch.equal(result.tokens, expected)
+
+
+def test_sampled_exact_decoding_obeys_the_targets_constraint():
+    target = constrained(build_tiny_toy_target(seed=3, grid=2, vocab=6))
+    prompts = [PROMPTS[0]] * 600
+    ar = generate_ar(target, prompts, generator=torch.Generator().manual_seed(1)).tokens
+    assert obeys_rule(ar, 6)
+    drafter = FixedLogitsDrafter(torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, 0.8]))
+    for config in (
+        DecoderConfig(tree="static", static_tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+        DecoderConfig(tree="dynamic", top_k=3, depth=3, total_tokens=10),
+    ):
+        spec = generate_speculative(
+            target, drafter, prompts, ExactRule(), config, generator=torch.Generator().manual_seed(2)
+        )
+        assert obeys_rule(spec.tokens, 6)
+        for i in (1,):  # the free tokens 1 and 2 still follow AR's distribution
+            p_value = chi_square_p_value(ar[:, i] * 6 + ar[:, i + 1], spec.tokens[:, i] * 6 + spec.tokens[:, i + 1])
+            assert p_value > 1e-3, f"{config.tree}, tokens {i}, {i + 1}: p = {p_value:.2g}"
+
+
+@pytest.mark.parametrize(
+    "config, accepted",
+    [(STATIC, [5, 5, 2]), (DecoderConfig(tree="dynamic", top_k=2, depth=4, total_tokens=15), [4, 4, 4])],
+    ids=["static", "dynamic"],  # dynamic: roots at 5 and 10 predict the constrained indices 6 and 11
+)
+def test_oracle_drafts_obey_the_targets_constraint_and_are_fully_accepted(config, accepted):
+    """The drafter's q gets the constraint at the index each node predicts (root and deeper levels alike),
+    so the oracle drafter stays exact on the constrained target."""
+    target = constrained(build_tiny_toy_target())
+    result = generate_speculative(target, OracleDrafter(target), PROMPTS[:1], ExactRule(), config, greedy(target))
+    assert obeys_rule(result.tokens, 64)
+    assert result.accepted[:, 0].tolist() == accepted

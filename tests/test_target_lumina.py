@@ -14,8 +14,11 @@ import dataclasses
 import pytest
 import torch
 
+from inference.drafter import OracleDrafter
 from inference.generate import generate_ar
 from inference.sampling import combine_cfg
+from inference.speculative import DecoderConfig, generate_speculative
+from inference.verify import ExactRule
 from models import registry
 from models.lumina import END_OF_TURN, PROMPT_TEMPLATE, LuminaTarget
 
@@ -276,11 +279,37 @@ def test_greedy_tokens_with_the_layout_rule_equal_upstreams_sampler(lumina):
     assert codes.shape == (2, *GRID)
 
 
-def test_generate_ar_runs_but_does_not_apply_the_layout_yet(lumina):
+def assert_layout(target: LuminaTarget, tokens: torch.Tensor) -> None:
+    """End-of-line exactly at the row ends, VQ codes everywhere else."""
+    row_end = torch.arange(target.geometry.num_tokens) % (target.cols + 1) == target.cols
+    assert tokens[:, row_end].eq(target.eol_index).all()
+    assert tokens[:, ~row_end].lt(target.num_codes).all()
+
+
+def test_generate_ar_applies_the_layout_rule(lumina):
     greedy = dataclasses.replace(lumina.sampling, temperature=0.0, top_k=None)
+    assert greedy.cfg_scale == CFG
     tokens = generate_ar(lumina, PROMPTS, greedy).tokens
     assert tokens.shape == (2, lumina.geometry.num_tokens)
-    assert tokens.max() < lumina.image_vocab_size
+    assert_layout(lumina, tokens)
+    for row, prompt in enumerate(PROMPTS):  # greedy AR = upstream greedy loop
+        assert lumina.chameleon_ids(tokens[row : row + 1])[0, 3:].tolist() == upstream_greedy(lumina, prompt)
+    sampled = generate_ar(lumina, PROMPTS * 4, generator=torch.Generator().manual_seed(0)).tokens  # official top-k
+    assert_layout(lumina, sampled)
+
+
+def test_speculative_decoding_applies_the_layout_rule(lumina):
+    greedy = dataclasses.replace(lumina.sampling, temperature=0.0, top_k=None)
+    expected = generate_ar(lumina, PROMPTS, greedy).tokens
+    drafter = OracleDrafter(lumina, scale=0.5)
+    config = DecoderConfig(tree="dynamic", top_k=3, depth=4, total_tokens=12)
+    result = generate_speculative(lumina, drafter, PROMPTS, ExactRule(), config, greedy)
+    assert torch.equal(result.tokens, expected)
+    assert result.tau > 1.0  # the forced end-of-line tokens are drafted and accepted
+    sampled = generate_speculative(
+        lumina, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0)
+    ).tokens
+    assert_layout(lumina, sampled)
 
 
 # ---------------------------------------------------------------- vocabulary, layout and decoding
