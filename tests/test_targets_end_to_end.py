@@ -12,6 +12,7 @@ import torch
 from conftest import build_tiny_toy_target
 from test_target_janus import build_tiny_janus
 from test_target_llamagen_t2i import build_target as build_tiny_llamagen
+from test_target_lumina import GRID, build_tiny_lumina, tiny_decoder
 
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
@@ -21,6 +22,7 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
 from models import registry
 from models.janus import JanusTarget
+from models.lumina import LuminaTarget
 from training.objective import ObjectiveConfig
 from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig, shared_target
 
@@ -30,10 +32,17 @@ def tiny_janus() -> JanusTarget:
     return JanusTarget(model, tokenizer, name="tiny-janus", max_prompt_tokens=48, aux_layer_ids=(1, 2, 3))
 
 
+def tiny_lumina() -> LuminaTarget:
+    model, tokenizer = build_tiny_lumina()
+    return LuminaTarget(model, tokenizer, name="tiny-lumina", grid=GRID, max_prompt_tokens=48,
+                        aux_layer_ids=(1, 2, 3), vq_decoder=tiny_decoder(model))  # fmt: skip
+
+
 FAMILIES = {
     "tiny-toy": build_tiny_toy_target,  # LlamaGen architecture, toy captions
     "tiny-janus": tiny_janus,  # transformers' Janus
     "tiny-llamagen": build_tiny_llamagen,  # LlamaGen t2i with a T5 encoder and the VQ-16 decoder
+    "tiny-lumina": tiny_lumina,  # transformers' Chameleon, end-of-line layout enforced
 }
 
 
