@@ -407,15 +407,16 @@ class LuminaTarget(ImageTarget):
 
     # ------------------------------------------------------------------ layout rule
 
-    def layout_mask(self, token_index: Tensor) -> Tensor:
+    def layout_mask(self, token_index: Tensor, check: bool = True) -> Tensor:
         """Allowed V entries of image token `token_index` (0 .. G), (...,) -> (..., V) bool.
 
         Upstream `MultiModalLogitsProcessor`: at a row end (index % (cols + 1) == cols) only end-of-line,
         at index G (after the last row) only end-of-image, elsewhere only the K codes. Not applied by
         `forward`; the decoders apply it through `constrain_logits` (see the module docstring).
+        `check=False` skips the index range check (a host sync), as the decoders' hook does.
         """
         token_index = torch.as_tensor(token_index, device=self.token_ids.device)
-        if (token_index < 0).any() or (token_index > self.geometry.num_tokens).any():
+        if check and ((token_index < 0).any() or (token_index > self.geometry.num_tokens).any()):
             raise ValueError(f"image token indices must lie in 0..{self.geometry.num_tokens}")
         vocab = torch.arange(self.image_vocab_size, device=token_index.device)
         index = token_index[..., None]
@@ -424,13 +425,14 @@ class LuminaTarget(ImageTarget):
         code = vocab < self.num_codes
         return torch.where(row_end, vocab == self.eol_index, torch.where(last, vocab == self.eoi_index, code))
 
-    def apply_layout(self, logits: Tensor, token_index: Tensor) -> Tensor:
+    def apply_layout(self, logits: Tensor, token_index: Tensor, check: bool = True) -> Tensor:
         """`logits` (..., V) with the entries `layout_mask(token_index)` forbids set to -inf."""
-        return logits.masked_fill(~self.layout_mask(token_index).to(logits.device), float("-inf"))
+        return logits.masked_fill(~self.layout_mask(token_index, check).to(logits.device), float("-inf"))
 
     def constrain_logits(self, logits: Tensor, token_index: Tensor) -> Tensor:
-        """The layout rule as the decoders' hook: guided logits (B, ..., V) at indices (B, ...)."""
-        return self.apply_layout(logits, token_index)
+        """The layout rule as the decoders' hook: guided logits (B, ..., V) at indices (B, ...), which the
+        decoders clamp to the image, so the range check (a host sync per call) is skipped."""
+        return self.apply_layout(logits, token_index, check=False)
 
     # ------------------------------------------------------------------ decoding
 
