@@ -28,7 +28,7 @@ equals the unpadded prompt at 0 .. n-1 (and it is exactly what transformers' own
 does with a left-padded batch: positions `arange` over the padded length).
 
 Design choice: we run the language model's decoder layers ourselves, but with transformers' own
-modules. `_run` calls each `LlamaDecoderLayer` of `model.model.language_model` in turn with
+modules. `run_decoder` (`models.transformers_decoder.run_decoder_layers`) calls each `LlamaDecoderLayer` in turn with
 (a) `position_embeddings` from the model's own `rotary_emb` at our explicit positions, (b) a 4-D
 additive float mask (R, 1, T, S) built from the cache's `column_valid`, the new tokens' validity and
 the optional tree mask (every token always sees itself), and (c) a tiny adapter in place of
@@ -49,15 +49,13 @@ D hidden size, V image vocabulary (VQ codebook), G image tokens.
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from models.kv_cache import KVCache
-from models.llamagen import build_attention_mask
-from models.target import Conditioning, ImageGeometry, ImageTarget, SamplingDefaults, TargetOutput
+from models.target import ImageGeometry, SamplingDefaults
+from models.transformers_decoder import TransformersDecoderTarget, placement
 
 if TYPE_CHECKING:
     from transformers import JanusForConditionalGeneration
@@ -72,18 +70,7 @@ DEFAULT_HUB_ID = "deepseek-community/Janus-Pro-7B"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-class _CacheWriter:
-    """Stands in for transformers' `Cache` inside `LlamaAttention`: writes new keys/values into a `KVCache`."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """(R, H, T, E) new keys/values -> all keys/values of the row so far, (R, H, length + T, E)."""
-        return self.cache.write(layer_idx, key_states, value_states)
-
-
-class JanusTarget(ImageTarget):
+class JanusTarget(TransformersDecoderTarget):
     """Janus-Pro's image generation through our KV cache, positions and tree masks."""
 
     family = "janus"
@@ -170,12 +157,7 @@ class JanusTarget(ImageTarget):
         """
         from transformers import AutoTokenizer, JanusForConditionalGeneration
 
-        local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"  # one replica per rank, each on its own GPU
-        device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        device, dtype = placement(device, dtype)
         model = JanusForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model.to(device)  # type: ignore[arg-type]  # (weights load on the CPU first: device_map needs accelerate)
@@ -271,61 +253,6 @@ class JanusTarget(ImageTarget):
             uncond[inner] = self.pad_id
             ids, valid = torch.cat([ids, uncond]), torch.cat([valid, valid])
         return ids, valid
-
-    @torch.no_grad()
-    def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:
-        ids, valid = self.prompt_ids(prompts, cfg)
-        device = self.device
-        ids, valid = ids.to(device), valid.to(device)
-        embeds = self.language_model.get_input_embeddings()(ids)
-        positions = torch.arange(self.prefix_length, device=device)
-        return Conditioning(embeds, valid, positions, len(prompts), cfg)
-
-    # ------------------------------------------------------------------ running
-
-    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
-        weight = self.image_head_weight()
-        return KVCache.allocate(
-            self.num_layers, rows, self.num_kv_heads, capacity, self.head_dim, dtype=weight.dtype, device=weight.device
-        )
-
-    @torch.no_grad()
-    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
-        return self._run(
-            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
-        )
-
-    @torch.no_grad()
-    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
-                return_aux: bool = False) -> TargetOutput:  # fmt: skip
-        return self._run(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
-
-    def _run(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-             new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
-        rows, length, _ = inputs.shape
-        if new_valid is None:
-            new_valid = torch.ones(rows, length, dtype=torch.bool, device=inputs.device)
-        if positions.dim() == 1:
-            positions = positions.expand(rows, length)
-        allowed = build_attention_mask(new_valid, cache, tree_mask)  # (R, T, S) bool
-        mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=inputs.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]  # (R, 1, T, S) additive
-        lm = self.language_model
-        position_embeddings = lm.rotary_emb(inputs, position_ids=positions)
-        writer = _CacheWriter(cache)
-        aux_ids = self._aux_layer_ids if return_aux else ()
-        streams: dict[int, Tensor] = {}
-        x = inputs
-        for index, layer in enumerate(lm.layers[: self.num_layers]):
-            if index in aux_ids:
-                streams[index] = x
-            x = layer(x, attention_mask=mask, position_ids=positions, cache=writer,
-                      position_embeddings=position_embeddings)  # fmt: skip
-        cache.advance(new_valid)
-        hidden = lm.norm(x)
-        streams[self.num_layers] = hidden  # transformers' hidden_states[L] is the post-norm output
-        aux = torch.cat([streams[i] for i in aux_ids], dim=-1) if return_aux else None
-        return TargetOutput(self.image_head(hidden), hidden, aux)
 
     # ------------------------------------------------------------------ image vocabulary
 

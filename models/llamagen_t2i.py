@@ -52,7 +52,8 @@ from torch import Tensor
 
 from models.kv_cache import KVCache
 from models.llamagen import LLAMAGEN_PRESETS, LlamaGenConfig, LlamaGenTransformer, build_rotary_table_2d
-from models.target import Conditioning, ImageGeometry, ImageTarget, SamplingDefaults, TargetOutput
+from models.target import Conditioning, DecoderTarget, ImageGeometry, SamplingDefaults, TargetOutput
+from models.transformers_decoder import placement
 from models.vq16 import VQ16Config, VQ16Decoder
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def left_pad_features(features: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- the target
 
 
-class LlamaGenT2ITarget(ImageTarget):
+class LlamaGenT2ITarget(DecoderTarget):
     """LlamaGen t2i: FLAN-T5 caption features -> LlamaGen GPT over VQ-16 codes -> VQ-16 decoder."""
 
     family = "llamagen"
@@ -229,11 +230,7 @@ class LlamaGenT2ITarget(ImageTarget):
         from models.llamagen import load_llamagen_checkpoint
         from models.vq16 import load_vq16_checkpoint
 
-        local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"  # one replica per rank, each on its own GPU
-        device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        torch_dtype: torch.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)  # type: ignore[assignment]
+        device, torch_dtype = placement(device, dtype)
         folder = Path(folder or os.environ.get(DEFAULT_DIR_ENV) or "pretrained_models")
         config = resolve_preset(preset, gpt_checkpoint)
         if gpt_checkpoint is None:
@@ -308,19 +305,8 @@ class LlamaGenT2ITarget(ImageTarget):
     def allocate_cache(self, rows: int, capacity: int) -> KVCache:
         return self.gpt.allocate_cache(rows, capacity)
 
-    @torch.no_grad()
-    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
-        return self._run(
-            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
-        )
-
-    @torch.no_grad()
-    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
-                return_aux: bool = False) -> TargetOutput:  # fmt: skip
-        return self._run(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
-
-    def _run(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-             new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+                    new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
         hidden, aux = self.gpt(inputs, positions, cache, tree_mask, new_valid, return_aux)
         return TargetOutput(self.image_head(hidden), hidden, aux)
 

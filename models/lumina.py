@@ -49,7 +49,7 @@ Logits: transformers' `ChameleonForConditionalGeneration.forward` sets every ima
 `finfo.min`; we never use it. `image_head` is the LM head restricted to the V rows,
 `hidden @ lm_head.weight[token_ids].T`, over the post-norm last hidden state.
 
-Running the layers: as `models/janus.py` does, `_run` calls each of transformers' own
+Running the layers: as in `models/janus.py`, `models.transformers_decoder` calls each of transformers' own
 `ChameleonDecoderLayer`s (or `ChameleonSwinDecoderLayer`s) with the model's `rotary_emb` at our
 explicit positions, a 4-D additive mask from our cache validity and tree mask, and a `Cache`
 stand-in that writes keys/values (stored after rotary) into our `KVCache`. Needs "sdpa" or "eager".
@@ -65,7 +65,6 @@ D hidden size, V image vocabulary (K codes + 2 layout tokens), G image tokens (w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,9 +72,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.kv_cache import KVCache
-from models.llamagen import build_attention_mask
-from models.target import Conditioning, ImageGeometry, ImageTarget, SamplingDefaults, TargetOutput
+from models.target import ImageGeometry, SamplingDefaults
+from models.transformers_decoder import TransformersDecoderTarget, placement
 
 if TYPE_CHECKING:
     from transformers import ChameleonForConditionalGeneration
@@ -95,18 +93,7 @@ DEFAULT_GRID = (48, 48)  # 768 px / 16
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-class _CacheWriter:
-    """Stands in for transformers' `Cache` inside `ChameleonAttention`: writes new keys/values into a `KVCache`."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """(R, H, T, E) new keys/values -> all keys/values of the row so far, (R, H, length + T, E)."""
-        return self.cache.write(layer_idx, key_states, value_states)
-
-
-class LuminaTarget(ImageTarget):
+class LuminaTarget(TransformersDecoderTarget):
     """Lumina-mGPT's image generation through our KV cache, positions and tree masks (see the module docstring)."""
 
     family = "lumina"
@@ -237,12 +224,7 @@ class LuminaTarget(ImageTarget):
         """
         from transformers import AutoTokenizer, ChameleonForConditionalGeneration
 
-        local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        device, dtype = placement(device, dtype)
         model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model.to(device)  # type: ignore[arg-type]
@@ -312,62 +294,6 @@ class LuminaTarget(ImageTarget):
             ids[row, length - len(tokens) :] = torch.tensor(tokens)
             valid[row, length - len(tokens) :] = True
         return ids, valid
-
-    @torch.no_grad()
-    def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:
-        ids, valid = self.prompt_ids(prompts, cfg)
-        device = self.device
-        ids, valid = ids.to(device), valid.to(device)
-        embeds = self.language_model.embed_tokens(ids)
-        positions = torch.arange(self.prefix_length, device=device)
-        return Conditioning(embeds, valid, positions, len(prompts), cfg)
-
-    # ------------------------------------------------------------------ running
-
-    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
-        weight = self.image_head_weight()
-        return KVCache.allocate(
-            self.num_layers, rows, self.num_kv_heads, capacity, self.head_dim, dtype=weight.dtype, device=weight.device
-        )
-
-    @torch.no_grad()
-    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
-        return self._run(
-            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
-        )
-
-    @torch.no_grad()
-    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
-                return_aux: bool = False) -> TargetOutput:  # fmt: skip
-        return self._run(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
-
-    def _run(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-             new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
-        rows, length, _ = inputs.shape
-        if new_valid is None:
-            new_valid = torch.ones(rows, length, dtype=torch.bool, device=inputs.device)
-        if positions.dim() == 1:
-            positions = positions.expand(rows, length)
-        allowed = build_attention_mask(new_valid, cache, tree_mask)  # (R, T, S) bool
-        mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=inputs.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]  # (R, 1, T, S) additive
-        lm = self.language_model
-        position_embeddings = lm.rotary_emb(inputs, position_ids=positions)
-        writer = _CacheWriter(cache)
-        aux_ids = self._aux_layer_ids if return_aux else ()
-        streams: dict[int, Tensor] = {}
-        x = inputs
-        for index, layer in enumerate(lm.layers[: self.num_layers]):
-            if index in aux_ids:
-                streams[index] = x
-            out = layer(x, attention_mask=mask, position_ids=positions, cache=writer,
-                        position_embeddings=position_embeddings)  # fmt: skip
-            x = out[0] if isinstance(out, tuple) else out  # Chameleon layers return (hidden_states,)
-        cache.advance(new_valid)
-        hidden = lm.norm(x)
-        streams[self.num_layers] = hidden  # transformers' hidden_states[L] is the post-norm output
-        aux = torch.cat([streams[i] for i in aux_ids], dim=-1) if return_aux else None
-        return TargetOutput(self.image_head(hidden), hidden, aux)
 
     # ------------------------------------------------------------------ image vocabulary
 

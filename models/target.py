@@ -192,3 +192,39 @@ class ImageTarget(ABC):
         alike. Default: no constraint, `logits` returned unchanged (the same tensor).
         """
         return logits
+
+
+class DecoderTarget(ImageTarget):
+    """A target whose prefill and forward are one decoder pass over input embeddings (every target here).
+
+    Subclasses implement `run_decoder`; the prefix runs with its validity mask, image tokens run
+    through the frozen image embedding with an optional tree mask.
+    """
+
+    @torch.no_grad()
+    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
+        inputs, positions, valid = conditioning.inputs_embeds, conditioning.positions, conditioning.valid
+        return self.run_decoder(inputs, positions, cache, None, valid, return_aux)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        tree_mask: Tensor | None = None,
+        return_aux: bool = False,
+    ) -> TargetOutput:
+        return self.run_decoder(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
+
+    @abstractmethod
+    def run_decoder(
+        self,
+        inputs: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        tree_mask: Tensor | None,
+        new_valid: Tensor | None,
+        return_aux: bool,
+    ) -> TargetOutput:
+        """Run (R, T, D) input embeddings over the cache; new_valid (R, T) marks padding (None = all valid)."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from models.kv_cache import KVCache
-from models.target import Conditioning, ImageGeometry, ImageTarget, SamplingDefaults, TargetOutput
+from models.target import Conditioning, DecoderTarget, ImageGeometry, SamplingDefaults, TargetOutput
 from models.toy_model import ToyTextToImage
 from models.vq import PatchVQ
 
@@ -26,7 +26,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 TOY_SAMPLING = SamplingDefaults(cfg_scale=2.0, temperature=1.0, top_k=5, top_p=None)
 
 
-class ToyTarget(ImageTarget):
+class ToyTarget(DecoderTarget):
     """The embedded toy text-to-image target."""
 
     family = "llamagen"
@@ -89,19 +89,8 @@ class ToyTarget(ImageTarget):
     def allocate_cache(self, rows: int, capacity: int) -> KVCache:
         return self.network.gpt.allocate_cache(rows, capacity)
 
-    @torch.no_grad()
-    def prefill(self, conditioning: Conditioning, cache: KVCache, return_aux: bool = False) -> TargetOutput:
-        return self._run(
-            conditioning.inputs_embeds, conditioning.positions, cache, None, conditioning.valid, return_aux
-        )
-
-    @torch.no_grad()
-    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
-                return_aux: bool = False) -> TargetOutput:  # fmt: skip
-        return self._run(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
-
-    def _run(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-             new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+                    new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
         hidden, aux = self.network.gpt(inputs, positions, cache, tree_mask, new_valid, return_aux)
         return TargetOutput(self.image_head(hidden), hidden, aux)
 

@@ -44,3 +44,66 @@ def build_tiny_toy_target(seed: int = 0, grid: int = 4, vocab: int = 64) -> ToyT
 @pytest.fixture
 def tiny_target() -> ToyTarget:
     return build_tiny_toy_target()
+
+
+# Tree-mask checks shared by the real-target tests: node lists given as parent indices.
+
+
+def tree_mask_of(parents: list[int]) -> torch.Tensor:
+    """(N, N) bool: node n attends to itself and its ancestors (parents[n] = -1 for a root)."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+    return mask
+
+
+def depths_of(parents: list[int]) -> torch.Tensor:
+    """(N,) depth of each node, roots at 0."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return torch.tensor(depth)
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root down to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def prefilled(target, prompts: list[str], committed: torch.Tensor, extra: int):
+    """A cache holding the CFG prefix of `prompts` and the committed tokens (B, n), with room for `extra` more."""
+    conditioning = target.condition(prompts, cfg=True)
+    cache = target.allocate_cache(conditioning.rows, target.prefix_length + committed.shape[1] + extra)
+    target.prefill(conditioning, cache)
+    if committed.shape[1]:
+        target.forward(committed, target.image_positions(torch.arange(committed.shape[1])), cache)
+    return cache
+
+
+def assert_chunked_cache_matches_full_forward(target, full_forward, prompts: list[str], tokens: torch.Tensor,
+                                              aux_layer_ids: tuple[int, ...], hidden_size: int) -> None:  # fmt: skip
+    """Prefill, then 7 image tokens in chunks of 1, 3, 1 and 2 through the KV cache, must equal one uncached
+    reference pass `full_forward(target, prefix_embeds, prefix_valid, tokens) -> (logits, hidden, hidden_states)`
+    in logits, hidden and aux streams (padded prefix slots excluded)."""
+    conditioning = target.condition(prompts, cfg=True)
+    rows = conditioning.rows
+    cache = target.allocate_cache(rows, target.prefix_length + 8)
+    outputs = [target.prefill(conditioning, cache, return_aux=True)]
+    for start, end in [(0, 1), (1, 4), (4, 5), (5, 7)]:
+        positions = target.image_positions(torch.arange(start, end))
+        outputs.append(target.forward(tokens[:, start:end], positions, cache, return_aux=True))
+    logits, hidden, streams = full_forward(target, conditioning.inputs_embeds, conditioning.valid, tokens)
+    keep = torch.cat([conditioning.valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1)  # padded slots: any
+    got_logits = torch.cat([o.logits for o in outputs], dim=1)
+    got_hidden = torch.cat([o.hidden for o in outputs], dim=1)
+    got_aux = torch.cat([o.aux for o in outputs], dim=1)
+    torch.testing.assert_close(got_logits[keep], logits[keep], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got_hidden[keep], hidden[keep], atol=2e-5, rtol=1e-4)
+    want_aux = torch.cat([streams[i] for i in aux_layer_ids], dim=-1)  # transformers' hidden_states[i]
+    assert got_aux.shape == (rows, target.prefix_length + 7, 3 * hidden_size)
+    torch.testing.assert_close(got_aux[keep], want_aux[keep], atol=2e-5, rtol=1e-4)
+    assert cache.length == target.prefix_length + 7

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_chunked_cache_matches_full_forward, depths_of, path_to, prefilled, tree_mask_of
 
 from inference.drafter import OracleDrafter
 from inference.generate import generate_ar
@@ -117,61 +118,14 @@ def test_seeded_sampling_equals_transformers_image_generate(janus):
 @pytest.mark.parametrize("aux_layer_ids", [(1, 2, 3), (0, 2, 4)])
 def test_cached_forward_equals_full_uncached_forward(janus, aux_layer_ids):
     target = JanusTarget(janus.model, janus.tokenizer, max_prompt_tokens=20, aux_layer_ids=aux_layer_ids)
-    conditioning = target.condition(PROMPTS, cfg=True)
-    rows = conditioning.rows
+    rows = 2 * len(PROMPTS)
     tokens = torch.randint(0, target.image_vocab_size, (rows, 7), generator=torch.Generator().manual_seed(1))
-    cache = target.allocate_cache(rows, target.prefix_length + 8)
-    outputs = [target.prefill(conditioning, cache, return_aux=True)]
-    for start, end in [(0, 1), (1, 4), (4, 5), (5, 7)]:
-        positions = target.image_positions(torch.arange(start, end))
-        outputs.append(target.forward(tokens[:, start:end], positions, cache, return_aux=True))
-    logits, hidden, streams = full_forward(target, conditioning.inputs_embeds, conditioning.valid, tokens)
-    keep = torch.cat([conditioning.valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1)  # padded slots: any
-    got_logits = torch.cat([o.logits for o in outputs], dim=1)
-    got_hidden = torch.cat([o.hidden for o in outputs], dim=1)
-    got_aux = torch.cat([o.aux for o in outputs], dim=1)
-    torch.testing.assert_close(got_logits[keep], logits[keep], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got_hidden[keep], hidden[keep], atol=2e-5, rtol=1e-4)
-    want_aux = torch.cat([streams[i] for i in aux_layer_ids], dim=-1)  # transformers' hidden_states[i]
-    assert got_aux.shape == (rows, target.prefix_length + 7, 3 * HIDDEN)
-    torch.testing.assert_close(got_aux[keep], want_aux[keep], atol=2e-5, rtol=1e-4)
-    assert cache.length == target.prefix_length + 7
+    assert_chunked_cache_matches_full_forward(target, full_forward, PROMPTS, tokens, aux_layer_ids, HIDDEN)
 
 
 # ---------------------------------------------------------------- (c) tree mask == branch by branch
 
 PARENTS = [-1, 0, 0, 1, 2, 3]  # a; b, c under a; d under b; e under c; f under d
-
-
-def tree_mask_of(parents: list[int]) -> torch.Tensor:
-    mask = torch.eye(len(parents), dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            mask[node] |= mask[parent]
-    return mask
-
-
-def depths_of(parents: list[int]) -> torch.Tensor:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    return torch.tensor(depth)
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def prefilled(target: JanusTarget, committed: torch.Tensor, extra: int):
-    conditioning = target.condition(PROMPTS, cfg=True)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + committed.shape[1] + extra)
-    target.prefill(conditioning, cache)
-    if committed.shape[1]:
-        target.forward(committed, target.image_positions(torch.arange(committed.shape[1])), cache)
-    return cache
 
 
 def test_tree_forward_equals_branch_by_branch(janus):
@@ -183,19 +137,20 @@ def test_tree_forward_equals_branch_by_branch(janus):
     row_parents = [PARENTS, chain, PARENTS, chain]
     mask = torch.stack([tree_mask_of(p) for p in row_parents])  # (R, T, T)
     positions = torch.stack([janus.image_positions(done + depths_of(p)) for p in row_parents])  # (R, T)
-    cache = prefilled(janus, committed, len(PARENTS))
+    cache = prefilled(janus, PROMPTS, committed, len(PARENTS))
     tree = janus.forward(nodes, positions, cache, tree_mask=mask, return_aux=True)
     for row, parents in enumerate(row_parents):
         for node in range(len(PARENTS)):
             path = path_to(parents, node)
-            fresh = prefilled(janus, committed, len(path))
+            fresh = prefilled(janus, PROMPTS, committed, len(path))
             branch = janus.forward(nodes[:, path], janus.image_positions(torch.arange(done, done + len(path))),
                                    fresh, return_aux=True)  # fmt: skip
             torch.testing.assert_close(tree.logits[row, node], branch.logits[row, -1], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(tree.aux[row, node], branch.aux[row, -1], atol=2e-5, rtol=1e-4)
     # a (T, T) mask means the same tree in every row
     shared = janus.forward(nodes, janus.image_positions(done + depths_of(PARENTS)),
-                           prefilled(janus, committed, len(PARENTS)), tree_mask=tree_mask_of(PARENTS))  # fmt: skip
+                           prefilled(janus, PROMPTS, committed, len(PARENTS)),
+                           tree_mask=tree_mask_of(PARENTS))  # fmt: skip
     torch.testing.assert_close(shared.logits[0], tree.logits[0], atol=2e-5, rtol=1e-4)
 
 
@@ -221,7 +176,7 @@ def test_committing_a_branch_with_keep_columns_matches_the_linear_sequence(janus
     rows, done = 2 * len(PROMPTS), 2
     committed = torch.randint(0, janus.image_vocab_size, (rows, done), generator=generator)
     nodes = torch.randint(0, janus.image_vocab_size, (rows, len(PARENTS)), generator=generator)
-    cache = prefilled(janus, committed, len(PARENTS) + 1)
+    cache = prefilled(janus, PROMPTS, committed, len(PARENTS) + 1)
     janus.forward(nodes, janus.image_positions(done + depths_of(PARENTS)), cache, tree_mask=tree_mask_of(PARENTS))
     path = path_to(PARENTS, 4)  # a, c, e
     start = janus.prefix_length + done

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import depths_of, path_to, prefilled, tree_mask_of
 
 from inference.drafter import OracleDrafter
 from inference.eagle import EagleDrafter
@@ -418,37 +419,6 @@ def test_cached_forward_equals_full_uncached_forward(llamagen):
 PARENTS = [-1, 0, 0, 1, 2, 3]  # a; b, c under a; d under b; e under c; f under d
 
 
-def tree_mask_of(parents: list[int]) -> torch.Tensor:
-    mask = torch.eye(len(parents), dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            mask[node] |= mask[parent]
-    return mask
-
-
-def depths_of(parents: list[int]) -> torch.Tensor:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    return torch.tensor(depth)
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def prefilled(target: LlamaGenT2ITarget, committed: torch.Tensor, extra: int):
-    conditioning = target.condition(PROMPTS, cfg=True)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + committed.shape[1] + extra)
-    target.prefill(conditioning, cache)
-    if committed.shape[1]:
-        target.forward(committed, target.image_positions(torch.arange(committed.shape[1])), cache)
-    return cache
-
-
 def test_tree_forward_equals_branch_by_branch(llamagen):
     generator = torch.Generator().manual_seed(2)
     rows, done = 2 * len(PROMPTS), 3
@@ -458,16 +428,16 @@ def test_tree_forward_equals_branch_by_branch(llamagen):
     row_parents = [PARENTS, chain, PARENTS, chain]
     mask = torch.stack([tree_mask_of(p) for p in row_parents])  # (R, T, T)
     positions = torch.stack([llamagen.image_positions(done + depths_of(p)) for p in row_parents])  # (R, T)
-    tree = llamagen.forward(nodes, positions, prefilled(llamagen, committed, len(PARENTS)), tree_mask=mask,
+    tree = llamagen.forward(nodes, positions, prefilled(llamagen, PROMPTS, committed, len(PARENTS)), tree_mask=mask,
                             return_aux=True)  # fmt: skip
     for row, parents in enumerate(row_parents):
         for node in range(len(PARENTS)):
             path = path_to(parents, node)
             branch = llamagen.forward(nodes[:, path], llamagen.image_positions(torch.arange(done, done + len(path))),
-                                      prefilled(llamagen, committed, len(path)), return_aux=True)  # fmt: skip
+                                      prefilled(llamagen, PROMPTS, committed, len(path)), return_aux=True)  # fmt: skip
             torch.testing.assert_close(tree.logits[row, node], branch.logits[row, -1], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(tree.aux[row, node], branch.aux[row, -1], atol=2e-5, rtol=1e-4)
-    fresh = prefilled(llamagen, committed, len(PARENTS))
+    fresh = prefilled(llamagen, PROMPTS, committed, len(PARENTS))
     positions = llamagen.image_positions(done + depths_of(PARENTS))
     shared = llamagen.forward(nodes, positions, fresh, tree_mask=tree_mask_of(PARENTS))
     torch.testing.assert_close(shared.logits[0], tree.logits[0], atol=2e-5, rtol=1e-4)

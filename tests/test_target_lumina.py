@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_chunked_cache_matches_full_forward, depths_of, path_to, prefilled, tree_mask_of
 
 from inference.drafter import OracleDrafter
 from inference.generate import generate_ar
@@ -120,25 +121,9 @@ def random_tokens(target: LuminaTarget, shape, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("aux_layer_ids", [(1, 2, 3), (0, 2, 4)])
 def test_cached_forward_equals_full_uncached_forward(lumina, aux_layer_ids):
     target = LuminaTarget(lumina.model, lumina.tokenizer, grid=GRID, max_prompt_tokens=32, aux_layer_ids=aux_layer_ids)
-    conditioning = target.condition(PROMPTS, cfg=True)
-    rows = conditioning.rows
+    rows = 2 * len(PROMPTS)
     tokens = random_tokens(target, (rows, 7), 1)
-    cache = target.allocate_cache(rows, target.prefix_length + 8)
-    outputs = [target.prefill(conditioning, cache, return_aux=True)]
-    for start, end in [(0, 1), (1, 4), (4, 5), (5, 7)]:
-        positions = target.image_positions(torch.arange(start, end))
-        outputs.append(target.forward(tokens[:, start:end], positions, cache, return_aux=True))
-    logits, hidden, streams = full_forward(target, conditioning.inputs_embeds, conditioning.valid, tokens)
-    keep = torch.cat([conditioning.valid, torch.ones_like(tokens, dtype=torch.bool)], dim=1)  # padded slots: any
-    got_logits = torch.cat([o.logits for o in outputs], dim=1)
-    got_hidden = torch.cat([o.hidden for o in outputs], dim=1)
-    got_aux = torch.cat([o.aux for o in outputs], dim=1)
-    torch.testing.assert_close(got_logits[keep], logits[keep], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got_hidden[keep], hidden[keep], atol=2e-5, rtol=1e-4)
-    want_aux = torch.cat([streams[i] for i in aux_layer_ids], dim=-1)  # transformers' hidden_states[i]
-    assert got_aux.shape == (rows, target.prefix_length + 7, 3 * HIDDEN)
-    torch.testing.assert_close(got_aux[keep], want_aux[keep], atol=2e-5, rtol=1e-4)
-    assert cache.length == target.prefix_length + 7
+    assert_chunked_cache_matches_full_forward(target, full_forward, PROMPTS, tokens, aux_layer_ids, HIDDEN)
 
 
 # ---------------------------------------------------------------- image logits = unmasked LM head rows
@@ -168,37 +153,6 @@ def test_image_logits_equal_the_unmasked_lm_head_rows(lumina):
 PARENTS = [-1, 0, 0, 1, 2, 3]
 
 
-def tree_mask_of(parents: list[int]) -> torch.Tensor:
-    mask = torch.eye(len(parents), dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            mask[node] |= mask[parent]
-    return mask
-
-
-def depths_of(parents: list[int]) -> torch.Tensor:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    return torch.tensor(depth)
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def prefilled(target: LuminaTarget, committed: torch.Tensor, extra: int):
-    conditioning = target.condition(PROMPTS, cfg=True)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + committed.shape[1] + extra)
-    target.prefill(conditioning, cache)
-    if committed.shape[1]:
-        target.forward(committed, target.image_positions(torch.arange(committed.shape[1])), cache)
-    return cache
-
-
 def test_tree_forward_equals_branch_by_branch(lumina):
     rows, done = 2 * len(PROMPTS), 3
     committed = random_tokens(lumina, (rows, done), 2)
@@ -207,18 +161,19 @@ def test_tree_forward_equals_branch_by_branch(lumina):
     row_parents = [PARENTS, chain, PARENTS, chain]
     mask = torch.stack([tree_mask_of(p) for p in row_parents])  # (R, T, T)
     positions = torch.stack([lumina.image_positions(done + depths_of(p)) for p in row_parents])
-    cache = prefilled(lumina, committed, len(PARENTS))
+    cache = prefilled(lumina, PROMPTS, committed, len(PARENTS))
     tree = lumina.forward(nodes, positions, cache, tree_mask=mask, return_aux=True)
     for row, parents in enumerate(row_parents):
         for node in range(len(PARENTS)):
             path = path_to(parents, node)
-            fresh = prefilled(lumina, committed, len(path))
+            fresh = prefilled(lumina, PROMPTS, committed, len(path))
             branch = lumina.forward(nodes[:, path], lumina.image_positions(torch.arange(done, done + len(path))),
                                     fresh, return_aux=True)  # fmt: skip
             torch.testing.assert_close(tree.logits[row, node], branch.logits[row, -1], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(tree.aux[row, node], branch.aux[row, -1], atol=2e-5, rtol=1e-4)
     shared = lumina.forward(nodes, lumina.image_positions(done + depths_of(PARENTS)),
-                            prefilled(lumina, committed, len(PARENTS)), tree_mask=tree_mask_of(PARENTS))  # fmt: skip
+                            prefilled(lumina, PROMPTS, committed, len(PARENTS)),
+                            tree_mask=tree_mask_of(PARENTS))  # fmt: skip
     torch.testing.assert_close(shared.logits[0], tree.logits[0], atol=2e-5, rtol=1e-4)
 
 

@@ -1,0 +1,133 @@
+"""Driving a transformers decoder stack with our KV cache, explicit positions and tree masks.
+
+The Janus-Pro and Lumina-mGPT targets keep transformers' own decoder layers (attention, norms, MLP,
+rotary) and run them one by one: the attention mask is our boolean mask over cache columns and new
+tokens (`models.llamagen.build_attention_mask`), made additive; the layers' cache is `KVCacheWriter`,
+which writes rotated keys into a `KVCache`, so the tree decoder may rearrange committed columns.
+
+Shapes: R rows, T new tokens, S cache columns, D hidden size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.kv_cache import KVCache
+from models.llamagen import build_attention_mask
+from models.target import Conditioning, DecoderTarget, TargetOutput
+
+
+class KVCacheWriter:
+    """Stands in for transformers' `Cache` inside an attention layer: writes new keys/values into a `KVCache`."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """(R, H, T, E) new keys/values -> all keys/values of the row so far, (R, H, length + T, E)."""
+        return self.cache.write(layer_idx, key_states, value_states)
+
+
+def run_decoder_layers(
+    language_model: nn.Module,
+    inputs: Tensor,
+    positions: Tensor,
+    cache: KVCache,
+    tree_mask: Tensor | None,
+    new_valid: Tensor | None,
+    num_layers: int,
+    aux_layer_ids: tuple[int, ...] = (),
+) -> tuple[Tensor, Tensor | None]:
+    """Run T new inputs through a transformers decoder (`layers`, `norm`, `rotary_emb`) over `cache`.
+
+    Args:
+        inputs: (R, T, D) input embeddings; positions: (T,) or (R, T) position ids.
+        tree_mask: (T, T) or (R, T, T) bool among the new tokens, None = causal.
+        new_valid: (R, T) bool, False for padding; None = all valid.
+        aux_layer_ids: residual streams to return (index i = input of layer i, transformers'
+            `hidden_states[i]`; i = num_layers is the post-norm output); () returns no aux.
+
+    Returns:
+        the post-norm hidden state (R, T, D) and the aux streams concatenated (R, T, len(ids) D) or None.
+    """
+    rows, length, _ = inputs.shape
+    if new_valid is None:
+        new_valid = torch.ones(rows, length, dtype=torch.bool, device=inputs.device)
+    if positions.dim() == 1:
+        positions = positions.expand(rows, length)
+    allowed = build_attention_mask(new_valid, cache, tree_mask)  # (R, T, S) bool
+    mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=inputs.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]  # (R, 1, T, S) additive
+    position_embeddings = language_model.rotary_emb(inputs, position_ids=positions)
+    writer = KVCacheWriter(cache)
+    streams: dict[int, Tensor] = {}
+    x = inputs
+    for index, layer in enumerate(language_model.layers[:num_layers]):
+        if index in aux_layer_ids:
+            streams[index] = x
+        out = layer(x, attention_mask=mask, position_ids=positions, cache=writer,
+                    position_embeddings=position_embeddings)  # fmt: skip
+        x = out[0] if isinstance(out, tuple) else out  # Chameleon layers return (hidden_states,)
+    cache.advance(new_valid)
+    hidden = language_model.norm(x)
+    streams[num_layers] = hidden  # transformers' hidden_states[L] is the post-norm output
+    aux = torch.cat([streams[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+    return hidden, aux
+
+
+class TransformersDecoderTarget(DecoderTarget):
+    """A target over a transformers language model (`language_model`: embed_tokens, layers, norm, rotary_emb).
+
+    Subclasses set `language_model`, `num_kv_heads`, `head_dim` and `_aux_layer_ids`, and implement
+    `prompt_ids(prompts, cfg) -> (ids (R, C), valid (R, C))`, the image embedding and the image head.
+    """
+
+    language_model: nn.Module
+    num_kv_heads: int
+    head_dim: int
+    _aux_layer_ids: tuple[int, ...]
+
+    def prompt_ids(self, prompts: list[str], cfg: bool) -> tuple[Tensor, Tensor]:
+        """Token ids (R, C) of the [cond; uncond] prefix rows and which slots are valid (R, C)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:
+        ids, valid = self.prompt_ids(prompts, cfg)
+        device = self.device
+        ids, valid = ids.to(device), valid.to(device)
+        embeds = self.language_model.embed_tokens(ids)
+        positions = torch.arange(self.prefix_length, device=device)
+        return Conditioning(embeds, valid, positions, len(prompts), cfg)
+
+    def allocate_cache(self, rows: int, capacity: int) -> KVCache:
+        weight = self.image_head_weight()
+        return KVCache.allocate(
+            self.num_layers, rows, self.num_kv_heads, capacity, self.head_dim, dtype=weight.dtype, device=weight.device
+        )
+
+    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+                    new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+        aux_ids = self._aux_layer_ids if return_aux else ()
+        hidden, aux = run_decoder_layers(
+            self.language_model, inputs, positions, cache, tree_mask, new_valid, self.num_layers, aux_ids
+        )
+        return TargetOutput(self.image_head(hidden), hidden, aux)
+
+
+def placement(device: torch.device | str | None, dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:
+    """Where and in what precision a real target loads.
+
+    device None = this process's GPU (cuda:LOCAL_RANK, as torchrun and Lightning set it: one replica
+    per rank) when CUDA is available, else the CPU; dtype None = bfloat16 on GPU, float32 on CPU; a
+    string names a torch dtype ("bfloat16").
+    """
+    local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    resolved = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return resolved, dtype or (torch.bfloat16 if resolved.type == "cuda" else torch.float32)  # type: ignore[return-value]
