@@ -36,7 +36,7 @@ class ExportDrafter(Callback):
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath:
             # ModelCheckpoint writes last.ckpt only on its own schedule; make it the final step for --ckpt_path last
             last = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
-            if checkpoint._last_global_step_saved != trainer.global_step:
+            if getattr(pl_module, "last_checkpoint_step", None) != trainer.global_step:
                 trainer.save_checkpoint(last)
                 checkpoint.last_model_path = str(last)
         if trainer.is_global_zero and trainer.log_dir:

@@ -136,6 +136,7 @@ class DrafterSystem(L.LightningModule):
         self._vocab_key: str | None = None
         self._last_batch_start: float | None = None
         self.last_validated_step: int | None = None
+        self.last_checkpoint_step: int | None = None  # global step of the newest checkpoint written
 
     # ------------------------------------------------------------------------- building
 
@@ -181,6 +182,7 @@ class DrafterSystem(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["drafter_config"] = asdict(self.drafter.config)
+        self.last_checkpoint_step = self.global_step
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("drafter_config", {}).get("vocab_map_key", "")
