@@ -78,6 +78,9 @@ class ExtractConfig:
 
     target: str = "toy"
     """Target name for `models.registry.load_target`."""
+    target_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the target's loader, e.g. {path: /models/Janus-Pro-7B, dtype: bfloat16} for
+    janus-pro-7b (see `load_target`); each rank loads its replica on its own GPU."""
     out_dir: str
     """Dataset folder: shards, manifest.json and the .extract/ work folder."""
     prompts: PromptSetConfig = field(default_factory=lambda: PromptSetConfig(source="toy", count=256))
@@ -381,7 +384,7 @@ def run_extraction(
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (RANK / WORLD_SIZE)")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    target = target or load_target(config.target)
+    target = target or load_target(config.target, **config.target_options)
     job = build_job(config, target)
     out_dir = Path(config.out_dir)
     (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)

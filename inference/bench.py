@@ -27,6 +27,14 @@ One table, one row per method:
 LANTERN's delta, LANTERN++'s lambda, GSD's group size; `SWEEP_GRID`, or `--sweep-grid FILE.json`)
 and draws tau against fidelity and FID-style distance, one series per rule, into a PNG (`--plot`).
 
+`--random-weights` (with `--size real`, the default) builds the target's released architecture with
+random weights and no download (`models.random_weights`) and only measures the target's own cost,
+an AR step against one verification forward over `--tree-nodes` nodes (`inference.latency`):
+
+    python -m inference.bench --target janus-pro-7b --random-weights --tree-nodes 60 --out latency.json
+
+`--latency` measures the same for a loaded target (`--target toy`).
+
 Rule settings: `--rule-arg RULE.NAME=VALUE` (repeatable) sets a field of a rule's dataclass
 (`inference.verify`), e.g. `cascade.delta=0.3`; a method may carry a label, `--rules cascade@wide`,
 addressed as `cascade@wide.delta=1.0` (settings of `cascade.` apply to every cascade label).
@@ -531,7 +539,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-grid", type=Path, help="JSON grid [{series, rule, options}] instead of SWEEP_GRID")
     parser.add_argument("--plot", type=Path, help="sweep: Pareto plot PNG (default: next to --out, or pareto.png)")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a sweep JSON written by --out")
+    latency = parser.add_argument_group(
+        "target latency", "time an AR step against one tree verification on the target alone (inference.latency)"
+    )
+    latency.add_argument("--latency", action="store_true", help="measure the latency of --target and stop")
+    latency.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="build --target's real architecture with random weights (no download); implies --latency",
+    )
+    latency.add_argument("--size", choices=["real", "tiny"], default="real", help="--random-weights architecture size")
+    latency.add_argument("--dtype", help="--random-weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    latency.add_argument("--device", help="--random-weights device (default: this process's GPU, else CPU)")
+    latency.add_argument("--tree-nodes", type=int, default=60, help="nodes per verification forward (default 60)")
+    latency.add_argument("--context-tokens", type=int, help="image tokens already decoded (default: half the image)")
+    latency.add_argument("--latency-steps", type=int, default=20, help="timed forwards of each kind (default 20)")
+    latency.add_argument("--latency-prompts", type=int, default=1, help="images decoded together (default 1)")
     return parser
+
+
+def run_latency(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """`--latency` / `--random-weights`: print and return `inference.latency`'s report for the target."""
+    from inference.latency import format_latency, measure_target_latency
+
+    started = time.perf_counter()
+    if args.random_weights:
+        from models.random_weights import random_target
+
+        try:
+            target = random_target(args.target, args.size, args.dtype, args.device, seed=args.seed)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    else:
+        target = load_target(args.target)
+    built = time.perf_counter() - started
+    report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
+                                    steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed)  # fmt: skip
+    print(format_latency(report))
+    total = time.perf_counter() - started
+    print(f"built the target in {built:.1f} s; {total:.1f} s in all")
+    summary = {
+        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
+        "random_weights": bool(args.random_weights),
+        "size": args.size if args.random_weights else None,
+        "build_seconds": built,
+        "seconds": total,
+        **report.to_dict(),
+    }
+    if args.out:
+        _write_json(summary, args.out)
+        print(f"wrote {args.out}")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -543,6 +601,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return list(saved["records"])
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.latency or args.random_weights:
+        return [run_latency(args, argv)]
     try:
         methods = parse_methods(args.rules, args.rule_arg)
         if args.sweep:

@@ -252,6 +252,24 @@ def test_config_loader_rejects_unknown_keys(tmp_path):
         load_config(None, ["out_dir=y", "prompts.source=toy2"])
 
 
+def test_target_options_reach_the_target_loader(tmp_path, tiny_target, monkeypatch):
+    import data.extract
+
+    config = load_config(None, [f"out_dir={tmp_path / 'ds'}", "prompts.count=2", "samples_per_shard=2",
+                                "target=janus-pro-7b", "target_options.path=/models/Janus-Pro-7B",
+                                "target_options.dtype=bfloat16"])  # fmt: skip
+    assert config.target_options == {"path": "/models/Janus-Pro-7B", "dtype": "bfloat16"}
+    calls = []
+
+    def fake_load_target(name, **options):
+        calls.append((name, options))
+        return tiny_target
+
+    monkeypatch.setattr(data.extract, "load_target", fake_load_target)
+    assert run_extraction(config, rank=0, world_size=1, progress=False) is not None
+    assert calls == [("janus-pro-7b", {"path": "/models/Janus-Pro-7B", "dtype": "bfloat16"})]
+
+
 def test_writer_output_is_byte_reproducible(tmp_path):
     infos = []
     for name in ("a", "b"):
