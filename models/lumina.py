@@ -55,9 +55,11 @@ explicit positions, a 4-D additive mask from our cache validity and tree mask, a
 stand-in that writes keys/values (stored after rotary) into our `KVCache`. Needs "sdpa" or "eager".
 
 VQ decoding: transformers 5.24's `ChameleonVQVAE` has an encoder and quantizer only, **no decoder**
-(Lumina-mGPT decodes with Meta's separately licensed `vqgan.ckpt`). `decode_images` therefore needs
-a `vq_decoder` callable, (B, rows, cols) int64 VQ codes -> (B, 3, H, W) pixels in about [-1, 1];
-without one it raises `NotImplementedError`.
+(Lumina-mGPT decodes with Meta's `vqgan.ckpt`, shipped with the gated Chameleon release under its own
+licence, not in the Lumina-mGPT checkpoint). `decode_images` uses either `vqgan_path=` (that file,
+loaded on first use into our `models.chameleon_vqgan.ChameleonVQGANDecoder`, float32 on the target's
+device, as upstream) or an injected `vq_decoder` callable, (B, rows, cols) int64 VQ codes ->
+(B, 3, H, W) pixels in about [-1, 1]; with neither it raises `NotImplementedError` naming the options.
 
 Shapes: B prompts, R rows (2B with CFG), T new tokens, C prompt slots, S cached + new columns,
 D hidden size, V image vocabulary (K codes + 2 layout tokens), G image tokens (with the EOL column).
@@ -66,6 +68,7 @@ D hidden size, V image vocabulary (K codes + 2 layout tokens), G image tokens (w
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,6 +80,8 @@ from models.transformers_decoder import TransformersDecoderTarget, placement
 
 if TYPE_CHECKING:
     from transformers import ChameleonForConditionalGeneration
+
+    from models.chameleon_vqgan import ChameleonVQGANConfig
 
 LUMINA_SAMPLING = SamplingDefaults(cfg_scale=3.0, temperature=1.0, top_k=2000, top_p=None)
 """Upstream `create_logits_processor` defaults: cfg 3.0, image top-k 2000, temperature 1."""
@@ -108,6 +113,8 @@ class LuminaTarget(TransformersDecoderTarget):
         max_prompt_tokens: int = 160,
         aux_layer_ids: tuple[int, ...] | None = None,
         vq_decoder: Callable[[Tensor], Tensor] | None = None,
+        vqgan_path: str | Path | None = None,
+        vqgan_config: ChameleonVQGANConfig | dict | str | Path | None = None,
     ) -> None:
         """Wrap a loaded model and its tokenizer.
 
@@ -121,14 +128,24 @@ class LuminaTarget(TransformersDecoderTarget):
             max_prompt_tokens: C, the slots every row is left-padded to (BOS, turn and 3 header tokens included).
             aux_layer_ids: residual streams for EAGLE-3 (index i = input of layer i, transformers'
                 `hidden_states[i]`; i = num_layers is the post-norm output); None = (2, L // 2, L - 3).
-            vq_decoder: (B, rows, cols) VQ codes -> (B, 3, H, W) pixels in about [-1, 1]; None = none
-                available (transformers' `ChameleonVQVAE` has no decoder), `decode_images` then raises.
+            vq_decoder: (B, rows, cols) VQ codes -> (B, 3, H, W) pixels in about [-1, 1]; None = use
+                `vqgan_path`, or none available (transformers' `ChameleonVQVAE` has no decoder).
+            vqgan_path: Meta Chameleon's `vqgan.ckpt` (separately licensed; a bare state dict or safetensors
+                also works), loaded by `load_vq_decoder` on the first `decode_images`; excludes `vq_decoder`.
+            vqgan_config: its architecture (`ChameleonVQGANConfig`, its fields, or the release's
+                `vqgan.yaml`); None = the Chameleon VQGAN.
         """
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
         self.sampling = sampling
+        if vq_decoder is not None and vqgan_path is not None:
+            raise ValueError("pass either vq_decoder= or vqgan_path=, not both")
+        if vqgan_path is not None and not Path(vqgan_path).is_file():
+            raise FileNotFoundError(f"vqgan_path {str(vqgan_path)!r} is not a file (Meta Chameleon's vqgan.ckpt)")
         self.vq_decoder = vq_decoder
+        self.vqgan_path = Path(vqgan_path) if vqgan_path is not None else None
+        self.vqgan_config = vqgan_config
         self.language_model = model.model
         config = model.config
         implementation = getattr(config, "_attn_implementation", None) or "eager"
@@ -172,7 +189,7 @@ class LuminaTarget(TransformersDecoderTarget):
         self.token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         """(V,) Chameleon token id of every interface index."""
         inverse = torch.full((config.vocab_size,), -1, dtype=torch.long)
-        inverse[self.token_ids.cpu()] = torch.arange(len(ids))
+        inverse[torch.tensor(ids)] = torch.arange(len(ids))
         self.interface_index = inverse.to(self.device)
         """(vocab_size,) interface index of every Chameleon id, -1 outside V."""
         self.header_ids = (
@@ -220,7 +237,8 @@ class LuminaTarget(TransformersDecoderTarget):
             path: folder with `config.json`, the weights and the tokenizer files, or a hub id.
             dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
             device: None = this process's GPU (cuda:LOCAL_RANK) when CUDA is available, else CPU.
-            **kwargs: passed to `LuminaTarget` (name, sampling, grid, max_prompt_tokens, aux_layer_ids, vq_decoder).
+            **kwargs: passed to `LuminaTarget` (name, sampling, grid, max_prompt_tokens, aux_layer_ids,
+                vq_decoder, vqgan_path, vqgan_config); `vqgan_path=".../vqgan.ckpt"` enables `decode_images`.
         """
         from transformers import AutoTokenizer, ChameleonForConditionalGeneration
 
@@ -369,14 +387,42 @@ class LuminaTarget(TransformersDecoderTarget):
             raise ValueError("an image token at a code slot is not a VQ code (a layout token where a code belongs)")
         return grid
 
+    def load_vq_decoder(self) -> Callable[[Tensor], Tensor]:
+        """The VQ decoder `decode_images` uses: the injected one, else the VQGAN of `vqgan_path`, loaded once.
+
+        Raises:
+            NotImplementedError: when neither `vq_decoder` nor `vqgan_path` was given.
+            ValueError: when the VQGAN's codebook size or downsampling factor does not fit this target.
+        """
+        if self.vq_decoder is not None:
+            return self.vq_decoder
+        if self.vqgan_path is None:
+            raise NotImplementedError(
+                "no VQ decoder: Lumina-mGPT decodes with Meta Chameleon's VQGAN (vqgan.ckpt, separately licensed, "
+                "not in the Lumina-mGPT checkpoint and transformers' ChameleonVQVAE has no decoder); load the target "
+                "with vqgan_path='.../vqgan.ckpt' (LuminaTarget, LuminaTarget.from_pretrained or "
+                "load_target('lumina-mgpt-7b', vqgan_path=...)), or pass a vq_decoder= callable"
+            )
+        from models.chameleon_vqgan import load_chameleon_vqgan
+
+        vqgan = load_chameleon_vqgan(self.vqgan_path, self.vqgan_config)
+        downsample = self.geometry.image_size[0] // self.rows
+        if vqgan.num_codes != self.num_codes or vqgan.downsample != downsample:
+            raise ValueError(
+                f"{self.vqgan_path}: a VQGAN of {vqgan.num_codes} codes and downsampling {vqgan.downsample} does not "
+                f"fit this target ({self.num_codes} image codes in the vocabulary map, downsampling {downsample} "
+                "from config.vq_config)"
+            )
+        self.vq_decoder = vqgan.to(self.device)  # float32, as upstream's ImageTokenizer
+        return self.vq_decoder
+
     @torch.no_grad()
     def decode_images(self, tokens: Tensor) -> Tensor:
-        """(B, G) tokens -> (B, H, W, 3) uint8 on the CPU, as upstream: clamp to [-1, 1], (x + 1) / 2 * 255, floor."""
-        if self.vq_decoder is None:
-            raise NotImplementedError(
-                "no VQ decoder: transformers' ChameleonVQVAE has an encoder only; pass vq_decoder= (Meta's Chameleon "
-                "VQGAN decoder, separately licensed) to LuminaTarget"
-            )
-        pixels = self.vq_decoder(self.image_codes(tokens.to(self.device)))  # (B, 3, H, W)
+        """(B, G) tokens -> (B, H, W, 3) uint8 on the CPU, as upstream: clamp to [-1, 1], (x + 1) / 2 * 255, floor.
+
+        Decodes with `vq_decoder` or the VQGAN of `vqgan_path` (see `load_vq_decoder`, which raises without either).
+        """
+        decoder = self.load_vq_decoder()
+        pixels = decoder(self.image_codes(tokens.to(self.device)))  # (B, 3, H, W)
         pixels = ((pixels.float().clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8)
         return pixels.permute(0, 2, 3, 1).cpu()

@@ -41,6 +41,20 @@ def test_janus_real_size_has_the_deepseek_7b_language_model():
     assert target.image_head_weight().dtype == torch.bfloat16
 
 
+def test_lumina_real_size_is_chameleon_7b():
+    target = random_target("lumina-mgpt-7b", "real", dtype=torch.bfloat16, device="meta")
+    vocab, width, mlp, layers = 65536, 4096, 11008, 32
+    qk_norms = 2 * 2 * width  # q_norm and k_norm: per-head LayerNorm weight and bias, (heads, head_dim) each
+    per_layer = 4 * width * width + 3 * width * mlp + 2 * width + qk_norms
+    expected = 2 * vocab * width + layers * per_layer + width
+    language = target.model.model
+    assert parameter_count(language) - parameter_count(language.vqmodel) + parameter_count(target.model.lm_head) == (
+        expected
+    )
+    assert target.image_vocab_size == 8192 + 2  # codes + end-of-line + end-of-image
+    assert target.geometry.grid == (48, 49) and target.geometry.image_size == (768, 768)
+
+
 def test_llamagen_real_size_is_gpt_xl():
     target = random_target("llamagen-xl", "real", dtype=torch.bfloat16, device="meta")
     vocab, width, mlp, layers, caption = 16384, 1280, 3584, 36, 2048
