@@ -95,7 +95,7 @@ def _random_janus(size: Size, device: torch.device, dtype: torch.dtype, seed: in
                       projection_dim=width, num_image_tokens=16, mlp_ratio=2.0)  # fmt: skip
         vq = dict(embed_dim=8, num_embeddings=64, latent_channels=32, base_channels=32, channel_multiplier=[1, 2],
                   num_res_blocks=1, projection_dim=width, image_token_embed_dim=width, num_patches=4)  # fmt: skip
-        prompt_slots = 24
+        prompt_slots = 64  # room for the toy world's longest captions
     specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<begin_of_image>", "<|User|>", "<|Assistant|>"]
     tokenizer = stand_in_tokenizer(
         {name: i for i, name in enumerate(specials)}, _word_ids(len(specials)), "<bos>", "<eos>", "<pad>", "<unk>"
@@ -135,7 +135,7 @@ def _random_lumina(size: Size, device: torch.device, dtype: torch.dtype, seed: i
         shape: dict[str, Any] = {}  # Chameleon-7B = transformers' ChameleonConfig defaults
         vq_config: dict[str, Any] = {}
     else:
-        codes, grid, prompt_slots = 16, (4, 4), 40
+        codes, grid, prompt_slots = 16, (4, 4), 64
         shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
         vq_config = dict(embed_dim=8, num_embeddings=codes, latent_channels=8, resolution=8, base_channels=32,
@@ -166,7 +166,7 @@ def _random_llamagen(size: Size, device: torch.device, dtype: torch.dtype, seed:
         vq_config = VQ16Config()
         t5 = dict(d_model=gpt_config.caption_dim, d_kv=64, d_ff=5120, num_layers=1, num_heads=32)
     else:
-        gpt_config = LlamaGenConfig(dim=32, num_layers=4, num_heads=4, vocab_size=64, caption_dim=16, cls_token_num=16,
+        gpt_config = LlamaGenConfig(dim=32, num_layers=4, num_heads=4, vocab_size=64, caption_dim=16, cls_token_num=32,
                                     grid_size=4)  # fmt: skip
         vq_config = VQ16Config(codebook_size=64, z_channels=32, ch=32, ch_mult=(1, 2), num_res_blocks=1)
         t5 = dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)

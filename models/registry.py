@@ -58,7 +58,17 @@ def load_target(name: str, **kwargs: object) -> ImageTarget:
     `t5_path=`, `preset=` ("t2i-XL-stage1" / "t2i-XL-stage2"), `dtype=`, `device=`, `folder=` and
     `LlamaGenT2ITarget` options (`sampling=` "official" / "lantern", ...); unnamed files come from
     $LLAMAGEN_DIR (default `pretrained_models`) or the hub.
+
+    Every real target also takes `random_weights="real"` or `"tiny"`: the architecture at its released
+    (or a tiny) size with random weights and a stand-in tokenizer, nothing loaded or downloaded
+    (`models.random_weights`; `dtype=` and `device=` still apply, other options are ignored). It sizes
+    GPU latency checks and dry-runs real configs on a CPU, e.g. `--model.target_options '{random_weights: tiny}'`.
     """
     if name not in TARGET_LOADERS:
         raise ValueError(f"unknown target {name!r}; known targets: {', '.join(sorted(TARGET_LOADERS))}")
+    random_weights = kwargs.pop("random_weights", None)
+    if random_weights:
+        from models.random_weights import random_target
+
+        return random_target(name, random_weights, kwargs.get("dtype"), kwargs.get("device"))  # type: ignore[arg-type]
     return TARGET_LOADERS[name](**kwargs)
