@@ -259,16 +259,21 @@ def cascade_plan(
     score = torch.where(pair_ok & eligible[:, :, None], score, NEG)
     order = score.argsort(dim=-1, descending=True, stable=True)  # (B, K, K) most similar first
     mass = p0.gather(1, kid_tokens)  # (B, K) charge of pooling each slot's token
+    ranked_mass = mass.gather(1, order.flatten(1)).view(batch, width, width)  # (B, K, K) in each slot's order
+    ranked_ok = score.gather(2, order) > NEG  # (B, K, K) a candidate at all
     used = torch.zeros(batch, width, dtype=torch.bool, device=kids.device)
     pool = torch.zeros(batch, width, width, dtype=torch.bool, device=kids.device)
     for a in range(width):  # 1c. greedy: pool while the budget lasts, in sibling order
-        open_a = usable[:, a] & ~used[:, a]
-        for j in range(width):
-            b = order[:, a, j]
-            take = open_a & (score[rows, a, b] > NEG) & ~used[rows, b] & (mass[rows, b] <= budget)
-            pool[rows, a, b] |= take
-            used[rows, b] |= take
-            budget = budget - torch.where(take, mass[rows, b], 0.0)
+        # Slot a never meets a token twice, so only the budget changes along its candidates: which of
+        # them are still free is fixed before its loop.
+        free = ranked_ok[:, a] & ~used.gather(1, order[:, a]) & (usable[:, a] & ~used[:, a])[:, None]  # (B, K)
+        takes = torch.zeros_like(free)
+        for j in range(width - 1):  # the last rank is never a candidate: at least a itself scores NEG
+            take = free[:, j] & (ranked_mass[:, a, j] <= budget)
+            takes[:, j] = take
+            budget = budget - ranked_mass[:, a, j] * take
+        pool[:, a].scatter_(1, order[:, a], takes)
+        used |= pool[:, a]
         used[:, a] |= usable[:, a]
     return pool, budget
 
@@ -312,15 +317,15 @@ def cascade_beyond_tree(
     drafted = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=kids.device)  # last column: dump for -1 slots
     drafted.scatter_(1, torch.where(kids >= 0, kid_tokens, vocab), True)
     free = (p0 > 0) & ~drafted[:, :vocab] & ~pool_tokens.any(1)  # (B, V) support tokens no sibling drafted
+    order = torch.where(free, p0, float("inf")).argsort(dim=-1, stable=True)  # least likely first, once per depth
+    sorted_p = p0.gather(1, order)  # (B, V)
+    free_sorted = free.gather(1, order)  # (B, V); each slot takes a prefix of what is still free
     for a in range(width):
-        mass = torch.where(free, p0, float("inf"))
-        order = mass.argsort(dim=-1, stable=True)  # least likely first
-        cumulative = mass.gather(1, order).cumsum(-1)  # (B, V)
-        take_sorted = (cumulative <= budget[:, None]) & open_slot[:, a : a + 1]
-        take = torch.zeros_like(free).scatter_(1, order, take_sorted)
-        pool_tokens[:, a] |= take
-        budget = budget - (p0 * take).sum(-1)
-        free &= ~take
+        cumulative = (sorted_p * free_sorted).cumsum(-1)  # (B, V)
+        take_sorted = free_sorted & (cumulative <= budget[:, None]) & open_slot[:, a : a + 1]
+        pool_tokens[:, a] |= torch.zeros_like(free).scatter_(1, order, take_sorted)
+        budget = budget - (sorted_p * take_sorted).sum(-1)
+        free_sorted &= ~take_sorted
     return pool_tokens, budget
 
 
