@@ -153,3 +153,39 @@ def test_a_batch_of_padding_only_gives_zero_loss():
     out = drafter_objective(model, target, batch, ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0), training=True)
     assert out.loss.item() == 0.0 and all(torch.isfinite(a) for a in out.accuracy)
     out.loss.backward()  # still differentiable: a short DDP rank must join the gradient all-reduce
+
+
+def test_the_targets_layout_rule_shapes_the_training_targets(monkeypatch):
+    """With a layout rule (token i % V forced at every third image index i), every soft-CE target, plain and
+    CFG-combined, is that forced token at ruled positions and gives it no mass elsewhere; no NaN appears."""
+    import training.objective as objective
+
+    target = build_tiny_toy_target()
+    vocab = target.image_vocab_size
+
+    def every_third(logits, token_index):
+        index = token_index.to(logits.device)[..., None]  # (R, L, 1)
+        forced = index % vocab
+        forbidden = torch.where(index % 3 == 0, torch.arange(vocab) != forced, torch.arange(vocab) == forced)
+        return logits.masked_fill(forbidden, float("-inf"))
+
+    monkeypatch.setattr(target, "constrain_logits", every_third)
+    captured = []
+
+    def recording_soft_ce(draft_logits, target_probs, weights, counted):
+        captured.append(target_probs.detach())
+        return soft_cross_entropy(draft_logits, target_probs, weights, counted)
+
+    monkeypatch.setattr(objective, "soft_cross_entropy", recording_soft_ce)
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    config = ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0, convergence_weight=1.0)
+    out = drafter_objective(model, target, _batch(target), config, training=True)
+    assert torch.isfinite(out.loss)
+    assert len(captured) == 4  # per step: both branches' soft CE, then the CFG-combined one
+    length = _batch(target)["tokens"].shape[1]
+    for call, probs in enumerate(captured):
+        step = call // 2
+        index = (torch.arange(length) + step + 1).clamp_max(target.geometry.num_tokens - 1)
+        forced_mass = probs.gather(-1, (index % vocab).expand(probs.shape[0], -1)[..., None])[..., 0]  # (R, L)
+        ruled = index % 3 == 0
+        assert torch.all(forced_mass[:, ruled] > 0.999) and torch.all(forced_mass[:, ~ruled] < 1e-3)

@@ -14,6 +14,11 @@ probability instead (LANTERN). Accuracies are measured on the CFG-combined distr
 both branches run (always at evaluation when unconditional features are loaded), since that is
 what the decoder drafts from.
 
+Layout rules (`ImageTarget.constrain_logits`, Lumina's forced end-of-line and end-of-image tokens):
+the target distributions the drafter learns from are constrained as the decoders constrain them
+(after CFG), so at a forced position the target is the forced token and elsewhere layout tokens get
+no mass; targets without a rule are untouched.
+
 Shapes: B samples, R rows (B or 2B), L tokens per sample, K unrolled steps, V image vocabulary,
 Vd draft vocabulary, D target hidden size, Df feature width.
 """
@@ -38,6 +43,9 @@ from training.losses import (
     step_weights,
     uniform_feature_noise,
 )
+
+FORBIDDEN_LOGIT = -1.0e4
+"""Target logit of a token the layout forbids (finite, so CFG and soft cross-entropy never meet inf - inf)."""
 
 
 @dataclass(kw_only=True)
@@ -166,11 +174,21 @@ def drafter_objective(
         weights = convergence_weights(hidden, mask, config.convergence_tau, config.convergence_weight)  # (R, L)
     reduced = model.config.draft_vocab != model.config.vocab_size
     scale = target.sampling.cfg_scale if config.cfg_scale is None else config.cfg_scale
+
+    def layout(logits: Tensor, step: int) -> Tensor:
+        """The target's layout rule (`constrain_logits`, e.g. Lumina's end-of-line column) on the logits of
+        tokens t + step + 1, as the decoders apply it after CFG; forbidden tokens get a finite FORBIDDEN_LOGIT
+        so that CFG differences and soft cross-entropies stay finite. Targets without a rule: unchanged."""
+        index = (torch.arange(length, device=device) + step + 1).clamp_max(num_tokens - 1)  # (L,) image index
+        constrained = target.constrain_logits(logits, index.expand(logits.shape[0], -1))
+        return logits if constrained is logits else constrained.clamp_min(FORBIDDEN_LOGIT)
+
     out = ObjectiveOutput(loss=torch.zeros((), device=device))
     decays = step_weights(steps, config.step_decay)
     for step in range(steps):
         counted = shift_left(mask, step + 1, False)  # (R, L): token t + step + 1 exists
-        step_target = shift_left(target_logits, step + 1)  # (R, L, V)
+        raw_target = shift_left(target_logits, step + 1)  # (R, L, V)
+        step_target = layout(raw_target, step)
         draft = model.draft_logits(outputs[step], lambda h: target.image_head(h.to(head_dtype))).float()  # (R, L, Vd)
         in_draft = counted
         draft_target = step_target
@@ -188,7 +206,7 @@ def drafter_objective(
         cond = slice(0, batch_size)
         if both:
             draft_guided = combine_cfg(draft, scale)  # (B, L, Vd)
-            target_guided = combine_cfg(step_target, scale)  # (B, L, V)
+            target_guided = layout(combine_cfg(raw_target, scale), step)  # (B, L, V): CFG, then the layout rule
             if config.cfg_loss_weight > 0:
                 guided_target = target_guided[..., model.t2d] if reduced else target_guided
                 cfg_ce = soft_cross_entropy(draft_guided, guided_target.softmax(-1), step_weight[cond], counted[cond])
