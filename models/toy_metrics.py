@@ -122,6 +122,32 @@ class SceneReader(nn.Module):
             & (read["background_colour"] == labels["background_colour"])
         )
 
+    @torch.no_grad()
+    def attribute_errors(self, images: Tensor, captions: list[str]) -> dict[str, float]:
+        """Which attributes fail: the fraction of images with at least one error of each kind.
+
+        Keys: `spurious` (a shape read where the caption has none), `missing` (a captioned shape not
+        read), `colour`, `shape`, `size` (of a captioned shape that is there), `background`,
+        `background_colour`. An image may count under several keys; prompt fidelity is the share
+        with none. (B, 32, 32, 3) uint8 images.
+        """
+        if len(captions) != images.shape[0]:
+            raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
+        read, labels = self.read(images), scene_labels(captions)
+        present = labels["present"].bool()
+        read_present = read["present"].bool()
+        errors = {
+            "spurious": (read_present & ~present).any(1),
+            "missing": (~read_present & present).any(1),
+            **{
+                name: ((read[name] != labels[name]) & present & read_present).any(1)
+                for name in ("colour", "shape", "size")
+            },
+            "background": read["background"] != labels["background"],
+            "background_colour": read["background_colour"] != labels["background_colour"],
+        }
+        return {name: float(wrong.float().mean()) for name, wrong in errors.items()}
+
     def fidelity(self, images: Tensor, captions: list[str], batch_size: int = 256) -> float:
         """Prompt fidelity: the fraction of images whose attributes, read from pixels, match the caption."""
         hits = [

@@ -62,3 +62,11 @@ def test_frechet_distance_is_zero_for_identical_sets_and_grows_with_difference(r
     same_world = frechet_distance(images, torch.from_numpy(other), reader)
     noise = torch.randint(0, 256, images.shape, dtype=torch.uint8)
     assert 0 < same_world < frechet_distance(images, noise, reader)
+
+
+def test_attribute_errors_name_what_breaks(reader, held_out):
+    captions, images = held_out
+    assert all(v <= 0.03 for v in reader.attribute_errors(images, captions).values())
+    blank = torch.full_like(images[:1], 245)  # an empty near-white canvas: every captioned shape is missing
+    errors = reader.attribute_errors(blank, captions[:1])
+    assert errors["missing"] == 1.0 and errors["spurious"] == 0.0 and errors["colour"] == 0.0

@@ -172,7 +172,11 @@ def evaluate(
     reader = SceneReader.load(folder / "scene_reader.safetensors")
     captions, truth = render_dataset(num_prompts, seed=seed, split="heldout")
     truth = torch.from_numpy(truth)
-    print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}")
+    through_vq = target.vq.decode(target.vq.encode(truth))
+    print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}, "
+          f"{reader.fidelity(through_vq, captions):.3f} after a VQ round trip (a ceiling for any target)")  # fmt: skip
+    errors = reader.attribute_errors(through_vq, captions)
+    print("VQ round trip: images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
     print(f"sampling defaults: {target.sampling}" + (f", top_k overridden to {top_k}" if top_k is not None else ""))
     print("cfg_scale  fidelity  fid_vs_truth  entropy_nats  top1_prob  seconds")
     grid_out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +190,8 @@ def evaluate(
         distance = frechet_distance(truth, images, reader)
         print(f"{settings.cfg_scale:9.2f}  {fidelity:8.3f}  {distance:12.2f}  {generation.mean_entropy:12.3f}  "
               f"{generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
+        errors = reader.attribute_errors(images, captions)
+        print("           images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
         image_grid(images.numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
     print(f"grids in {grid_out}")
 
