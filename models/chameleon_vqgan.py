@@ -42,7 +42,16 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from models.vq16 import AttnBlock, ResBlock, Upsample, _group_norm, _read_state_dict, _swish
+from models.vq16 import (
+    AttnBlock,
+    CodeDecoder,
+    ResBlock,
+    Upsample,
+    _group_norm,
+    _read_state_dict,
+    _swish,
+    check_decoder_state_dict,
+)
 
 SKIPPED_PREFIXES = ("encoder.", "quant_conv.", "loss.")
 """Checkpoint keys of the encoding path and of the training losses, which decoding never uses."""
@@ -210,7 +219,7 @@ class Codebook(nn.Module):
         return self.embedding.weight[codes]
 
 
-class ChameleonVQGANDecoder(nn.Module):
+class ChameleonVQGANDecoder(CodeDecoder):
     """Codebook + `post_quant_conv` + decoder of Chameleon's VQGAN, keyed as the released checkpoint.
 
     Called as a module, (B, h, w) codes -> (B, 3, H, W) pixels: the `vq_decoder` contract of `LuminaTarget`.
@@ -222,41 +231,6 @@ class ChameleonVQGANDecoder(nn.Module):
         self.quantize = Codebook(self.config)
         self.post_quant_conv = nn.Conv2d(self.config.embed_dim, self.config.z_channels, kernel_size=1)
         self.decoder = Decoder(self.config)
-
-    @property
-    def num_codes(self) -> int:
-        return self.config.codebook_size
-
-    @property
-    def downsample(self) -> int:
-        return self.config.downsample
-
-    @property
-    def codebook(self) -> Tensor:
-        """The raw codebook (V, e) (`quantize.embedding.weight`)."""
-        return self.quantize.embedding.weight.detach()
-
-    def codes_to_latents(self, codes: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
-        """(B, G) codes in raster order -> (B, e, h, w) latents; grid None means a square h = w = sqrt(G)."""
-        batch, count = codes.shape
-        if grid is None:
-            side = int(round(count**0.5))
-            grid = (side, side)
-        if grid[0] * grid[1] != count:
-            raise ValueError(f"{count} codes per image do not fill a {grid[0]}x{grid[1]} grid")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.num_codes):
-            raise ValueError(f"codes must lie in 0..{self.num_codes - 1}")
-        latents = self.quantize.lookup(codes)  # (B, G, e)
-        return latents.view(batch, grid[0], grid[1], -1).permute(0, 3, 1, 2).contiguous()
-
-    def decode(self, latents: Tensor) -> Tensor:
-        """(B, e, h, w) quantized latents -> (B, 3, H, W) pixels in about [-1, 1] (taming `VQModel.decode`)."""
-        return self.decoder(self.post_quant_conv(latents))
-
-    def decode_code(self, codes: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
-        """(B, G) codes -> (B, 3, H, W) pixels in about [-1, 1] (upstream `pil_from_img_toks` before clamping)."""
-        weight = self.post_quant_conv.weight
-        return self.decode(self.codes_to_latents(codes.to(weight.device), grid).to(weight.dtype))
 
     def forward(self, codes: Tensor) -> Tensor:
         """(B, h, w) codes -> (B, 3, H, W) pixels in about [-1, 1]."""
@@ -273,28 +247,11 @@ def check_chameleon_vqgan_state_dict(
     Raises:
         ValueError: naming the missing keys, the unexpected keys and the keys whose shapes differ.
     """
-    state = {key.removeprefix("_orig_mod."): value for key, value in state.items()}
-    expected = model.state_dict()
-    kept = {k: v for k, v in state.items() if not k.startswith(SKIPPED_PREFIXES)}
-    missing = sorted(set(expected) - set(kept))
-    unexpected = sorted(set(kept) - set(expected))
-    wrong_shape = sorted(
-        f"{k} {tuple(kept[k].shape)} vs {tuple(expected[k].shape)}"
-        for k in set(kept) & set(expected)
-        if tuple(kept[k].shape) != tuple(expected[k].shape)
-    )
-    if missing or unexpected or wrong_shape:
-
-        def listed(keys: list[str]) -> str:
-            return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
-
-        raise ValueError(
-            f"{source} does not match the Chameleon VQGAN decoder layout of {model.config}: missing keys "
-            f"{listed(missing)}, unexpected keys {listed(unexpected)}, shape mismatches (checkpoint vs model) "
-            f"{listed(wrong_shape)}. Check codebook_size, embed_dim, ch, ch_mult, z_channels, num_res_blocks and "
-            "attn_resolutions against the file (or its vqgan.yaml)."
-        )
-    return kept
+    return check_decoder_state_dict(
+        state, model, source, SKIPPED_PREFIXES, (), f"the Chameleon VQGAN decoder layout of {model.config}",
+        "Check codebook_size, embed_dim, ch, ch_mult, z_channels, num_res_blocks and attn_resolutions against "
+        "the file (or its vqgan.yaml).",
+    )  # fmt: skip
 
 
 def load_chameleon_vqgan(

@@ -81,6 +81,8 @@ def _random_janus(size: Size, device: torch.device, dtype: torch.dtype, seed: in
 
     from models.janus import JanusTarget
 
+    text: dict[str, Any]
+    vq: dict[str, Any]
     if size == "real":
         width, text = 4096, dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
                                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -102,7 +104,8 @@ def _random_janus(size: Size, device: torch.device, dtype: torch.dtype, seed: in
     )
     config = transformers.JanusConfig(text_config=dict(model_type="llama", **text), vision_config=vision,
                                       vq_config=vq, image_token_id=len(specials) - 1)  # fmt: skip
-    config.text_config._attn_implementation = "sdpa"
+    text_config: Any = config.text_config
+    text_config._attn_implementation = "sdpa"
     model = _build(lambda: transformers.JanusForConditionalGeneration(config), device, dtype, seed)
     return JanusTarget(model, tokenizer, name=f"janus-pro-7b (random {size})", max_prompt_tokens=prompt_slots)
 
@@ -145,8 +148,9 @@ def _random_lumina(size: Size, device: torch.device, dtype: torch.dtype, seed: i
     vocab_size = shape.get("vocab_size", 65536)
     if len(vocab) + len(words) > vocab_size:
         raise ValueError(f"the synthetic vocabulary needs {len(vocab) + len(words)} ids, more than {vocab_size}")
-    config = transformers.ChameleonConfig(**shape, vocabulary_map=vocab, bos_token_id=1, pad_token_id=0,
-                                          eos_token_id=2, vq_config=vq_config, attn_implementation="sdpa")  # fmt: skip
+    options: dict[str, Any] = dict(vocabulary_map=vocab, bos_token_id=1, pad_token_id=0, eos_token_id=2,
+                                   vq_config=vq_config, attn_implementation="sdpa")  # fmt: skip
+    config = transformers.ChameleonConfig(**shape, **options)
     model = _build(lambda: transformers.ChameleonForConditionalGeneration(config), device, dtype, seed)
     specials = {name: i for name, i in vocab.items() if not name.startswith("IMGIMG")}
     tokenizer = stand_in_tokenizer(specials, words, "<s>", "</s>", "<pad>", "<unk>")
@@ -161,6 +165,7 @@ def _random_llamagen(size: Size, device: torch.device, dtype: torch.dtype, seed:
     from models.llamagen_t2i import LlamaGenT2ITarget
     from models.vq16 import VQ16Config, VQ16Decoder
 
+    t5: dict[str, Any]
     if size == "real":
         gpt_config = LLAMAGEN_PRESETS["t2i-XL-stage2"]
         vq_config = VQ16Config()

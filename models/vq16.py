@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -203,15 +204,16 @@ class Codebook(nn.Module):
         return table[codes]
 
 
-class VQ16Decoder(nn.Module):
-    """Codebook + `post_quant_conv` + decoder of a LlamaGen VQ tokenizer, keyed as the official checkpoint."""
+class CodeDecoder(nn.Module):
+    """Codes -> pixels through a codebook (`quantize`), `post_quant_conv` and a `decoder`, the taming layout.
 
-    def __init__(self, config: VQ16Config | None = None) -> None:
-        super().__init__()
-        self.config = config or VQ16Config()
-        self.quantize = Codebook(self.config)
-        self.post_quant_conv = nn.Conv2d(self.config.codebook_embed_dim, self.config.z_channels, kernel_size=1)
-        self.decoder = Decoder(self.config)
+    Subclasses build the three modules; this class turns raster-order codes into latents and pixels.
+    """
+
+    quantize: Any  # a module with `embedding` (nn.Embedding) and `lookup(codes)`
+    post_quant_conv: nn.Conv2d
+    decoder: nn.Module
+    config: Any  # a config with `codebook_size` and `downsample`
 
     @property
     def num_codes(self) -> int:
@@ -249,6 +251,17 @@ class VQ16Decoder(nn.Module):
         return self.decode(self.codes_to_latents(codes.to(weight.device), grid).to(weight.dtype))
 
 
+class VQ16Decoder(CodeDecoder):
+    """Codebook + `post_quant_conv` + decoder of a LlamaGen VQ tokenizer, keyed as the official checkpoint."""
+
+    def __init__(self, config: VQ16Config | None = None) -> None:
+        super().__init__()
+        self.config = config or VQ16Config()
+        self.quantize = Codebook(self.config)
+        self.post_quant_conv = nn.Conv2d(self.config.codebook_embed_dim, self.config.z_channels, kernel_size=1)
+        self.decoder = Decoder(self.config)
+
+
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
     """A bare state dict from a torch.save file (weights under "model"/"module"/"state_dict" or bare) or safetensors."""
     if path.suffix == ".safetensors":
@@ -266,19 +279,26 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
     return loaded
 
 
-def check_vq16_state_dict(
-    state: dict[str, Tensor], model: VQ16Decoder, source: str = "state dict"
+def check_decoder_state_dict(
+    state: dict[str, Tensor],
+    model: nn.Module,
+    source: str,
+    skipped_prefixes: tuple[str, ...],
+    skipped_keys: tuple[str, ...],
+    layout: str,
+    hint: str,
 ) -> dict[str, Tensor]:
-    """The decoder-path entries of an official VQ state dict, after checking them against `model`.
+    """The entries of `state` that `model` loads, after dropping the skipped keys and checking the rest.
 
-    Encoder-path keys and `quantize.codebook_used` are dropped; `_orig_mod.` prefixes are removed.
+    `_orig_mod.` prefixes (torch.compile) are removed first.
 
     Raises:
-        ValueError: naming the missing keys, the unexpected keys and the keys whose shapes differ.
+        ValueError: naming `source`, the missing keys, the unexpected keys and the keys whose shapes
+            differ, with `layout` (what was expected) and `hint` (which settings to check).
     """
     state = {key.removeprefix("_orig_mod."): value for key, value in state.items()}
     expected = model.state_dict()
-    kept = {k: v for k, v in state.items() if not (k.startswith(SKIPPED_PREFIXES) or k in SKIPPED_KEYS)}
+    kept = {k: v for k, v in state.items() if not (k.startswith(skipped_prefixes) or k in skipped_keys)}
     missing = sorted(set(expected) - set(kept))
     unexpected = sorted(set(kept) - set(expected))
     wrong_shape = sorted(
@@ -292,11 +312,26 @@ def check_vq16_state_dict(
             return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
 
         raise ValueError(
-            f"{source} does not match the VQ-16 decoder layout of {model.config}: missing keys {listed(missing)}, "
-            f"unexpected keys {listed(unexpected)}, shape mismatches (checkpoint vs model) {listed(wrong_shape)}. "
-            "Check codebook_size, codebook_embed_dim, ch, ch_mult, z_channels and num_res_blocks against the file."
+            f"{source} does not match {layout}: missing keys {listed(missing)}, unexpected keys "
+            f"{listed(unexpected)}, shape mismatches (checkpoint vs model) {listed(wrong_shape)}. {hint}"
         )
     return kept
+
+
+def check_vq16_state_dict(
+    state: dict[str, Tensor], model: VQ16Decoder, source: str = "state dict"
+) -> dict[str, Tensor]:
+    """The decoder-path entries of an official VQ state dict, after checking them against `model`.
+
+    Encoder-path keys and `quantize.codebook_used` are dropped; `_orig_mod.` prefixes are removed.
+
+    Raises:
+        ValueError: naming the missing keys, the unexpected keys and the keys whose shapes differ.
+    """
+    return check_decoder_state_dict(
+        state, model, source, SKIPPED_PREFIXES, SKIPPED_KEYS, f"the VQ-16 decoder layout of {model.config}",
+        "Check codebook_size, codebook_embed_dim, ch, ch_mult, z_channels and num_res_blocks against the file.",
+    )  # fmt: skip
 
 
 def load_vq16_checkpoint(path: str | Path, config: VQ16Config | None = None) -> VQ16Decoder:
