@@ -45,12 +45,13 @@ from torch import Tensor, nn
 from models.vq16 import (
     AttnBlock,
     CodeDecoder,
+    DecoderLevel,
     ResBlock,
-    Upsample,
     _group_norm,
     _read_state_dict,
     _swish,
     check_decoder_state_dict,
+    check_decoder_widths,
 )
 
 SKIPPED_PREFIXES = ("encoder.", "quant_conv.", "loss.")
@@ -81,13 +82,8 @@ class ChameleonVQGANConfig:
     """Image channels (`ddconfig.out_ch`)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ch_mult", tuple(int(m) for m in self.ch_mult))
+        object.__setattr__(self, "ch_mult", check_decoder_widths(self.ch, self.ch_mult))
         object.__setattr__(self, "attn_resolutions", tuple(int(r) for r in self.attn_resolutions))
-        if not self.ch_mult:
-            raise ValueError("ch_mult must name at least one level")
-        widths = [self.ch * m for m in self.ch_mult]
-        if any(w % 32 for w in widths):
-            raise ValueError(f"decoder widths {widths} must be multiples of 32 (GroupNorm with 32 groups)")
 
     @property
     def downsample(self) -> int:
@@ -149,25 +145,6 @@ def resolve_config(config: ChameleonVQGANConfig | dict | str | Path | None) -> C
     return ChameleonVQGANConfig.from_yaml(config)
 
 
-class UpLevel(nn.Module):
-    """One resolution of taming's decoder: `block`, `attn` (at attn_resolutions only), optional `upsample`."""
-
-    def __init__(self, in_channels: int, out_channels: int, num_blocks: int, attention: bool, upsample: bool) -> None:
-        super().__init__()
-        self.block = nn.ModuleList(ResBlock(in_channels if j == 0 else out_channels, out_channels)
-                                   for j in range(num_blocks))  # fmt: skip
-        self.attn = nn.ModuleList(AttnBlock(out_channels) for _ in range(num_blocks if attention else 0))
-        if upsample:
-            self.upsample = Upsample(out_channels)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for index, block in enumerate(self.block):
-            x = block(x)
-            if len(self.attn):
-                x = self.attn[index](x)
-        return self.upsample(x) if hasattr(self, "upsample") else x
-
-
 class MidBlock(nn.Module):
     """`block_1` (res), `attn_1` (attention), `block_2` (res) at the deepest width."""
 
@@ -191,10 +168,11 @@ class Decoder(nn.Module):
         width = config.ch * mult[-1]
         self.conv_in = nn.Conv2d(config.z_channels, width, kernel_size=3, stride=1, padding=1)
         self.mid = MidBlock(width)
-        built: dict[int, UpLevel] = {}
+        built: dict[int, DecoderLevel] = {}
         for level in reversed(range(levels)):  # processing order: deepest (ch_mult[-1]) first
             out = config.ch * mult[level]
-            built[level] = UpLevel(width, out, config.num_res_blocks + 1, config.level_has_attention(level), level != 0)
+            built[level] = DecoderLevel(width, out, config.num_res_blocks + 1, config.level_has_attention(level),
+                                        level != 0, block_name="block")  # fmt: skip
             width = out
         self.up = nn.ModuleList(built[level] for level in range(levels))  # up.{i} = level i, as taming
         self.norm_out = _group_norm(width)

@@ -68,17 +68,23 @@ class VQ16Config:
     """Image channels."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ch_mult", tuple(int(m) for m in self.ch_mult))
-        if not self.ch_mult:
-            raise ValueError("ch_mult must name at least one level")
-        widths = [self.ch * m for m in self.ch_mult]
-        if any(w % 32 for w in widths):
-            raise ValueError(f"decoder widths {widths} must be multiples of 32 (GroupNorm with 32 groups)")
+        object.__setattr__(self, "ch_mult", check_decoder_widths(self.ch, self.ch_mult))
 
     @property
     def downsample(self) -> int:
         """Pixels per code along a side (16 for VQ-16)."""
         return 2 ** (len(self.ch_mult) - 1)
+
+
+def check_decoder_widths(ch: int, ch_mult: tuple[int, ...]) -> tuple[int, ...]:
+    """`ch_mult` as a tuple of ints, after checking that it names levels whose widths GroupNorm(32) accepts."""
+    mult = tuple(int(m) for m in ch_mult)
+    if not mult:
+        raise ValueError("ch_mult must name at least one level")
+    widths = [ch * m for m in mult]
+    if any(w % 32 for w in widths):
+        raise ValueError(f"decoder widths {widths} must be multiples of 32 (GroupNorm with 32 groups)")
+    return mult
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -142,18 +148,24 @@ class Upsample(nn.Module):
 
 
 class DecoderLevel(nn.Module):
-    """One resolution of the decoder: `res` blocks, `attn` blocks (deepest level only), optional `upsample`."""
+    """One resolution of the decoder: res blocks, `attn` blocks after each (where asked), optional `upsample`.
 
-    def __init__(self, in_channels: int, out_channels: int, num_blocks: int, attention: bool, upsample: bool) -> None:
+    The res blocks are named `res` (LlamaGen) or `block` (taming, Chameleon's VQGAN): `block_name`.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, num_blocks: int, attention: bool, upsample: bool,
+                 block_name: str = "res") -> None:  # fmt: skip
         super().__init__()
-        self.res = nn.ModuleList(ResBlock(in_channels if i == 0 else out_channels, out_channels)
-                                 for i in range(num_blocks))  # fmt: skip
+        self.block_name = block_name
+        blocks = nn.ModuleList(ResBlock(in_channels if i == 0 else out_channels, out_channels)
+                               for i in range(num_blocks))  # fmt: skip
+        self.add_module(block_name, blocks)
         self.attn = nn.ModuleList(AttnBlock(out_channels) for _ in range(num_blocks if attention else 0))
         if upsample:
             self.upsample = Upsample(out_channels)
 
     def forward(self, x: Tensor) -> Tensor:
-        for index, block in enumerate(self.res):
+        for index, block in enumerate(getattr(self, self.block_name)):
             x = block(x)
             if len(self.attn):
                 x = self.attn[index](x)
