@@ -105,3 +105,22 @@ def test_bench_random_weights_cli_writes_the_report(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["random_weights"] is True and saved["size"] == "tiny" and saved["tree_nodes"] == 9
     assert saved["verify_over_ar"] == pytest.approx(saved["verify_ms"] / saved["ar_ms"])
+
+
+def test_registry_builds_random_weights_instead_of_loading():
+    from models.registry import load_target
+
+    # path would be a download; random_weights builds the architecture instead and ignores it
+    target = load_target("janus-pro-7b", path="deepseek-community/Janus-Pro-7B", random_weights="tiny", device="cpu")
+    assert target.name == "janus-pro-7b (random tiny)" and target.hidden_size == 32
+    with pytest.raises(ValueError, match="size must be"):
+        load_target("lumina-mgpt-7b", random_weights="large")
+
+
+def test_bench_latency_of_a_loaded_target(capsys):
+    from inference.bench import main
+
+    (summary,) = main(["--target", "toy", "--latency", "--tree-nodes", "5", "--latency-steps", "2", "--threads", "1"])
+    assert summary["random_weights"] is False and summary["size"] is None
+    assert summary["target"] == "toy" and summary["context_tokens"] == 32 and summary["rows"] == 2
+    assert "tree verify (5 nodes/row)" in capsys.readouterr().out
