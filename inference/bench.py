@@ -549,12 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="build --target's real architecture with random weights (no download); implies --latency",
     )
     latency.add_argument("--size", choices=["real", "tiny"], default="real", help="--random-weights architecture size")
-    latency.add_argument("--dtype", help="--random-weights dtype (default: bfloat16 on GPU, float32 on CPU)")
-    latency.add_argument("--device", help="--random-weights device (default: this process's GPU, else CPU)")
+    latency.add_argument("--dtype", help="target dtype (random weights: default bfloat16 on GPU, float32 on CPU)")
+    latency.add_argument("--device", help="target device (random weights: default this process's GPU, else CPU)")
     latency.add_argument("--tree-nodes", type=int, default=60, help="nodes per verification forward (default 60)")
     latency.add_argument("--context-tokens", type=int, help="image tokens already decoded (default: half the image)")
     latency.add_argument("--latency-steps", type=int, default=20, help="timed forwards of each kind (default 20)")
     latency.add_argument("--latency-prompts", type=int, default=1, help="images decoded together (default 1)")
+    latency.add_argument("--no-aux", action="store_true", help="skip the EAGLE-3 streams (as for EAGLE-1 drafters)")
     return parser
 
 
@@ -571,10 +572,15 @@ def run_latency(args: argparse.Namespace, argv: list[str] | None) -> dict[str, A
         except ValueError as error:
             raise SystemExit(str(error)) from None
     else:
-        target = load_target(args.target)
+        placement = {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
+        target = load_target(args.target, **placement)
     built = time.perf_counter() - started
-    report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
-                                    steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed)  # fmt: skip
+    try:
+        report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
+                                        steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed,
+                                        aux=not args.no_aux)  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     print(format_latency(report))
     total = time.perf_counter() - started
     print(f"built the target in {built:.1f} s; {total:.1f} s in all")

@@ -7,15 +7,17 @@
 This is the cost model of speculative decoding: a step of the tree decoder replaces `tau` AR steps
 with one target forward over all tree nodes, so its wall-time speedup is at most
 tau / (verify latency / AR latency) (drafting and the rule come on top). The measurement runs the
-target's `prefill` and `forward` exactly as the decoders do ([cond; uncond] CFG rows, our KV cache,
-tree attention mask), at a fixed context: the prompt plus `context_tokens` image tokens (default:
-half the image, the mean context over a whole image).
+target's `prefill` and `forward` as the decoders call them ([cond; uncond] CFG rows, our KV cache,
+a per-row tree attention mask, the EAGLE-3 auxiliary streams unless `aux=False`), at a fixed
+context: the prompt plus `context_tokens` image tokens (default: half the image, the mean context
+over a whole image).
 
 - AR step: one new token per row over the context, `steps` times, each timed alone;
 - tree verification: `tree_nodes` new tokens per row (the root, i.e. the last sampled token, and
   its drafts, laid out as a `branching`-ary tree) with the tree attention mask and tree positions;
 - after every timed forward the cache is truncated back to the context, so each one sees the same
-  context; on CUDA every timed forward is bracketed by `torch.cuda.synchronize()`;
+  context; on CUDA every timed forward is bracketed by `torch.cuda.synchronize()`; the prefill is
+  timed on its second run (the first one pays for lazy initialisation);
 - reported: median and p90 ms of each, their ratio, the peak accelerator memory (CUDA) and the
   parameter count.
 
@@ -24,6 +26,7 @@ Shapes: R rows (2 per prompt with CFG), N tree nodes, X context image tokens.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -85,8 +88,9 @@ def _clock(device: torch.device) -> float:
 
 
 def _percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least `fraction` of the values at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 @torch.no_grad()
@@ -100,6 +104,7 @@ def measure_target_latency(
     cfg: bool = True,
     branching: int = 4,
     seed: int = 0,
+    aux: bool = True,
 ) -> LatencyReport:
     """Time AR steps and `tree_nodes`-node verifications of `target` at one context (see the module docstring).
 
@@ -112,11 +117,19 @@ def measure_target_latency(
         cfg: include the unconditional rows.
         branching: fan-out of the synthetic tree (its shape barely matters: cost follows N and X).
         seed: seed of the random image tokens.
+        aux: also return the EAGLE-3 auxiliary streams, as the decoder does for EAGLE-3 drafters.
     """
     image_tokens = target.geometry.num_tokens
     context = image_tokens // 2 if context_tokens is None else int(context_tokens)
-    if not 0 <= context <= image_tokens:
-        raise ValueError(f"context_tokens must be in 0..{image_tokens}, got {context}")
+    if not 0 <= context < image_tokens:
+        raise ValueError(
+            f"context_tokens must be in 0..{image_tokens - 1} (image tokens already decoded), got {context}"
+        )
+    if steps < 1 or warmup < 0 or tree_nodes < 1 or prompts < 1:
+        raise ValueError(
+            f"need steps >= 1, warmup >= 0, tree_nodes >= 1 and prompts >= 1; got {steps}, {warmup}, {tree_nodes}, "
+            f"{prompts}"
+        )
     device = target.device
     generator = torch.Generator().manual_seed(seed)
     conditioning = target.condition([PROMPT] * prompts, cfg=cfg)
@@ -125,8 +138,10 @@ def measure_target_latency(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    target.prefill(conditioning, cache, return_aux=aux)  # untimed: the first forward initialises kernels
+    cache.truncate(0)
     start = _clock(device)
-    target.prefill(conditioning, cache)
+    target.prefill(conditioning, cache, return_aux=aux)
     prefill_ms = (_clock(device) - start) * 1e3
 
     vocab = target.image_vocab_size
@@ -145,7 +160,7 @@ def measure_target_latency(
         times = []
         for repeat in range(warmup + steps):
             begin = _clock(device)
-            target.forward(tokens, positions, cache, tree_mask=mask)
+            target.forward(tokens, positions, cache, tree_mask=mask, return_aux=aux)
             elapsed = _clock(device) - begin
             cache.truncate(base)
             if repeat >= warmup:
@@ -158,8 +173,8 @@ def measure_target_latency(
     from inference.tree import ancestor_mask
 
     parents, depths = synthetic_tree(tree_nodes, branching)
-    mask = ancestor_mask(parents[None], int(depths.max()))[0].to(device)  # (N, N) bool
-    tree_positions = target.image_positions((context + depths).to(device))
+    mask = ancestor_mask(parents[None].expand(rows, -1), int(depths.max())).to(device)  # (R, N, N), per row
+    tree_positions = target.image_positions((context + depths).clamp_max(image_tokens - 1).to(device))  # as the decoder
     verify_times = timed(image_tokens_for(tree_nodes), tree_positions, mask)
 
     weight = target.image_head_weight()

@@ -264,8 +264,8 @@ def cascade_plan(
     used = torch.zeros(batch, width, dtype=torch.bool, device=kids.device)
     pool = torch.zeros(batch, width, width, dtype=torch.bool, device=kids.device)
     for a in range(width):  # 1c. greedy: pool while the budget lasts, in sibling order
-        # Slot a never meets a token twice, so only the budget changes along its candidates: which of
-        # them are still free is fixed before its loop.
+        # order[:, a] visits each candidate slot once, so only the budget changes along slot a's candidates:
+        # which of them are still free is fixed before its loop.
         free = ranked_ok[:, a] & ~used.gather(1, order[:, a]) & (usable[:, a] & ~used[:, a])[:, None]  # (B, K)
         takes = torch.zeros_like(free)
         for j in range(width - 1):  # the last rank is never a candidate: at least a itself scores NEG
@@ -323,8 +323,9 @@ def cascade_beyond_tree(
     for a in range(width):
         cumulative = (sorted_p * free_sorted).cumsum(-1)  # (B, V)
         take_sorted = free_sorted & (cumulative <= budget[:, None]) & open_slot[:, a : a + 1]
-        pool_tokens[:, a] |= torch.zeros_like(free).scatter_(1, order, take_sorted)
-        budget = budget - (sorted_p * take_sorted).sum(-1)
+        take = torch.zeros_like(free).scatter_(1, order, take_sorted)
+        pool_tokens[:, a] |= take
+        budget = budget - (p0 * take).sum(-1)  # summed in vocabulary order, as the reference does
         free_sorted &= ~take_sorted
     return pool_tokens, budget
 

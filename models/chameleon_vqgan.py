@@ -107,6 +107,9 @@ class ChameleonVQGANConfig:
         with open(path) as handle:
             loaded = yaml.safe_load(handle)
         params: dict[str, Any] = loaded.get("model", loaded).get("params", loaded)
+        missing = [key for key in ("n_embed", "embed_dim", "ddconfig") if key not in params]
+        if missing:
+            raise ValueError(f"{path}: not a taming VQModel config, model.params lacks {missing}")
         dd: dict[str, Any] = params["ddconfig"]
         unsupported = {
             "tanh_out": bool(dd.get("tanh_out", False)),

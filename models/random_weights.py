@@ -64,7 +64,9 @@ def _word_ids(first_id: int) -> dict[str, int]:
 
 def _build(constructor: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype,
            seed: int) -> Any:  # fmt: skip
-    """Construct a module directly on `device` in `dtype` (transformers' own init runs there, no fp32 copy)."""
+    """Construct a module directly on `device` with `dtype` parameters (transformers' own init runs there, no fp32
+    copy of the weights). Buffers a module makes in float32 on purpose (rotary frequencies) stay float32, as
+    `from_pretrained` keeps them. Seeds torch's global generator with `seed`."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -73,7 +75,10 @@ def _build(constructor: Callable[[], torch.nn.Module], device: torch.device, dty
             module = constructor()
     finally:
         torch.set_default_dtype(previous)
-    return module.to(dtype).eval()
+    for parameter in module.parameters():  # any parameter a constructor made in another float type
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    return module.eval()
 
 
 def _random_janus(size: Size, device: torch.device, dtype: torch.dtype, seed: int) -> DecoderTarget:

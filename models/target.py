@@ -189,7 +189,8 @@ class ImageTarget(ABC):
         tokens the target's layout forbids there set to -inf.
 
         Decoders call it right after CFG and before temperature/top-k/top-p, on target and drafter logits
-        alike. Default: no constraint, `logits` returned unchanged (the same tensor).
+        alike; the drafter objective on its training targets. It must not modify `logits` in place: a rule
+        returns a new tensor. Default: no constraint, `logits` returned unchanged (the same tensor).
         """
         return logits
 

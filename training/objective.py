@@ -14,10 +14,12 @@ probability instead (LANTERN). Accuracies are measured on the CFG-combined distr
 both branches run (always at evaluation when unconditional features are loaded), since that is
 what the decoder drafts from.
 
-Layout rules (`ImageTarget.constrain_logits`, Lumina's forced end-of-line and end-of-image tokens):
-the target distributions the drafter learns from are constrained as the decoders constrain them
-(after CFG), so at a forced position the target is the forced token and elsewhere layout tokens get
-no mass; targets without a rule are untouched.
+Layout rules (`ImageTarget.constrain_logits`, e.g. Lumina's forced end-of-line column): the target
+distributions the drafter learns from are constrained as the decoders constrain them (after CFG), so
+at a forced position the target is the forced token and elsewhere layout tokens get no mass; top-1
+agreement (acc_k) constrains the draft too, as the decoders do (full draft vocabulary only). Image
+indices stop at G - 1, so a token after the image (Lumina's end-of-image) is never a training target.
+Targets without a rule are untouched.
 
 Shapes: B samples, R rows (B or 2B), L tokens per sample, K unrolled steps, V image vocabulary,
 Vd draft vocabulary, D target hidden size, Df feature width.
@@ -181,7 +183,7 @@ def drafter_objective(
         so that CFG differences and soft cross-entropies stay finite. Targets without a rule: unchanged."""
         index = (torch.arange(length, device=device) + step + 1).clamp_max(num_tokens - 1)  # (L,) image index
         constrained = target.constrain_logits(logits, index.expand(logits.shape[0], -1))
-        return logits if constrained is logits else constrained.clamp_min(FORBIDDEN_LOGIT)
+        return logits if constrained is logits else constrained.clamp_min_(FORBIDDEN_LOGIT)  # a new tensor
 
     out = ObjectiveOutput(loss=torch.zeros((), device=device))
     decays = step_weights(steps, config.step_decay)
@@ -215,7 +217,7 @@ def drafter_objective(
         else:
             draft_guided, target_guided = draft[cond], step_target[cond]
         with torch.no_grad():
-            draft_ids = draft_guided.argmax(-1)
+            draft_ids = (draft_guided if reduced else layout(draft_guided, step)).argmax(-1)
             if reduced:
                 draft_ids = draft_ids + model.d2t[draft_ids]  # draft id -> image token id
             agree = (draft_ids == target_guided.argmax(-1)) & counted[cond]
