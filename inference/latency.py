@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.tree import ancestor_mask
 from models.target import ImageTarget
 
 PROMPT = "a photo of a red fox in the snow"
@@ -169,8 +170,6 @@ def measure_target_latency(
 
     ar_positions = target.image_positions(torch.tensor([context], device=device))
     ar_times = timed(image_tokens_for(1), ar_positions, None)
-
-    from inference.tree import ancestor_mask
 
     parents, depths = synthetic_tree(tree_nodes, branching)
     mask = ancestor_mask(parents[None].expand(rows, -1), int(depths.max())).to(device)  # (R, N, N), per row

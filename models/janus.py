@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from models.target import ImageGeometry, SamplingDefaults
-from models.transformers_decoder import TransformersDecoderTarget, placement
+from models.target import ImageGeometry, SamplingDefaults, resolve_aux_layer_ids
+from models.transformers_decoder import TransformersDecoderTarget, check_attention_implementation, placement
 
 if TYPE_CHECKING:
     from transformers import JanusForConditionalGeneration
@@ -67,7 +67,6 @@ PROMPT_TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"
 BOI_TOKEN = "<begin_of_image>"
 DEFAULT_HUB_ID = "deepseek-community/Janus-Pro-7B"
 """The transformers-format conversion (the 1B one, deepseek-community/Janus-Pro-1B, is used in its docs)."""
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 class JanusTarget(TransformersDecoderTarget):
@@ -103,23 +102,12 @@ class JanusTarget(TransformersDecoderTarget):
         self.sampling = sampling
         self.language_model = model.model.language_model
         text_config = self.language_model.config
-        implementation = getattr(text_config, "_attn_implementation", None) or "eager"
-        if implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention implementation {implementation!r} ignores our 4-D tree/validity masks; "
-                f"load the model with attn_implementation one of {SUPPORTED_ATTENTION}"
-            )
+        check_attention_implementation(text_config)
         self._text_config = text_config
         vq_config: Any = model.config.vq_config
         vision_config: Any = model.config.vision_config
         self._vq_config = vq_config
-        layers = text_config.num_hidden_layers
-        if aux_layer_ids is None:
-            aux_layer_ids = (2, layers // 2, layers - 3)
-        self._aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
-        for layer in self._aux_layer_ids:
-            if not 0 <= layer <= layers:
-                raise ValueError(f"aux_layer_ids entry {layer} is outside 0..{layers}")
+        self._aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, text_config.num_hidden_layers)
         if max_prompt_tokens < 2:
             raise ValueError(f"max_prompt_tokens must leave room for BOS and BOI, got {max_prompt_tokens}")
         self._prefix_length = int(max_prompt_tokens)

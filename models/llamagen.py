@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.kv_cache import KVCache
+from models.target import resolve_aux_layer_ids
 
 
 @dataclass(kw_only=True)
@@ -76,12 +77,7 @@ class LlamaGenConfig:
             raise ValueError(f"head size {self.head_dim} must be divisible by 4 for the 2D rotary embedding")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.kv_heads}")
-        if self.aux_layer_ids is None:
-            self.aux_layer_ids = (2, self.num_layers // 2, self.num_layers - 3)
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        for layer in self.aux_layer_ids:
-            if not 0 <= layer <= self.num_layers:
-                raise ValueError(f"aux_layer_ids entry {layer} is outside 0..{self.num_layers}")
+        self.aux_layer_ids = resolve_aux_layer_ids(self.aux_layer_ids, self.num_layers)
 
     @property
     def head_dim(self) -> int:

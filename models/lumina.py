@@ -75,8 +75,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.target import ImageGeometry, SamplingDefaults
-from models.transformers_decoder import TransformersDecoderTarget, placement
+from models.target import ImageGeometry, SamplingDefaults, resolve_aux_layer_ids
+from models.transformers_decoder import TransformersDecoderTarget, check_attention_implementation, placement
 
 if TYPE_CHECKING:
     from transformers import ChameleonForConditionalGeneration
@@ -95,7 +95,6 @@ SIZE_TOKEN = "<reserved{:05d}>"  # size token of n grids: <reserved{8800 + n}> (
 SIZE_PATCH_CODES = 2  # upstream: a size-token grid is 32 px = 2 VQ codes (h_latent = h_grids * 2)
 DEFAULT_HUB_ID = "Alpha-VLLM/Lumina-mGPT-7B-768"
 DEFAULT_GRID = (48, 48)  # 768 px / 16
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 class LuminaTarget(TransformersDecoderTarget):
@@ -148,20 +147,9 @@ class LuminaTarget(TransformersDecoderTarget):
         self.vqgan_config = vqgan_config
         self.language_model = model.model
         config = model.config
-        implementation = getattr(config, "_attn_implementation", None) or "eager"
-        if implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention implementation {implementation!r} ignores our 4-D tree/validity masks; "
-                f"load the model with attn_implementation one of {SUPPORTED_ATTENTION}"
-            )
+        check_attention_implementation(config)
         self._config = config
-        layers = config.num_hidden_layers
-        if aux_layer_ids is None:
-            aux_layer_ids = (2, layers // 2, layers - 3)
-        self._aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
-        for layer in self._aux_layer_ids:
-            if not 0 <= layer <= layers:
-                raise ValueError(f"aux_layer_ids entry {layer} is outside 0..{layers}")
+        self._aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, config.num_hidden_layers)
 
         rows, cols = (int(n) for n in grid)
         if rows < 1 or cols < 1 or rows % SIZE_PATCH_CODES or cols % SIZE_PATCH_CODES:

@@ -33,6 +33,23 @@ from torch import Tensor
 from models.kv_cache import KVCache
 
 
+def resolve_aux_layer_ids(aux_layer_ids: tuple[int, ...] | list[int] | None, num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's residual streams for a target of `num_layers` layers: None = (2, L // 2, L - 3).
+
+    Index i is the input of layer i (transformers' `hidden_states[i]`); i = L is the post-norm output.
+
+    Raises:
+        ValueError: naming an entry outside 0..L.
+    """
+    if aux_layer_ids is None:
+        aux_layer_ids = (2, num_layers // 2, num_layers - 3)
+    resolved = tuple(int(i) for i in aux_layer_ids)
+    for layer in resolved:
+        if not 0 <= layer <= num_layers:
+            raise ValueError(f"aux_layer_ids entry {layer} is outside 0..{num_layers}")
+    return resolved
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingDefaults:
     """A target's official sampling settings: CFG, then temperature, then top-k, then top-p."""

@@ -79,6 +79,20 @@ def run_decoder_layers(
     return hidden, aux
 
 
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that honour our additive 4-D tree/validity masks (flash-attention ignores them)."""
+
+
+def check_attention_implementation(config: Any) -> None:
+    """Refuse a transformers config whose attention implementation would ignore our 4-D masks."""
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attention implementation {implementation!r} ignores our 4-D tree/validity masks; "
+            f"load the model with attn_implementation one of {SUPPORTED_ATTENTION}"
+        )
+
+
 class TransformersDecoderTarget(DecoderTarget):
     """A target over a transformers language model (`language_model`: embed_tokens, layers, norm, rotary_emb).
 
