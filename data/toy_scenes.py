@@ -6,11 +6,16 @@ the same scenes, captions and pixels on every machine. Captions follow the gramm
 use captions the target never saw.
 
     scenes = sample_scenes(64, seed=0, split="heldout")
-    pixels = render_scene(scenes[0], rng)            # (32, 32, 3) uint8
+    pixels = render_scene(scenes[0], rng)            # (36, 36, 3) uint8
 
-Shapes are drawn without anti-aliasing on a 32x32 canvas split into a 3x3 grid of named
-positions; each shape's centre is jittered by up to one pixel, and backgrounds vary in stripe
-orientation, gradient direction and phase, none of which the caption fixes.
+The geometry is laid out for the 6 x 6-pixel patch tokenizer (`models/vq.py`): a 36 x 36 canvas is
+a 6 x 6 grid of patches, and each of the 3 x 3 named positions is a 12 x 12 cell of 2 x 2 patches.
+A shape is centred on its cell's centre, which is a patch corner, so every shape is exactly four
+patch-sized quarter pieces and a caption fixes its pixels. Backgrounds are aligned to patches too
+(gradients in patch-wide bands, stripes one patch per period, patch-sized checks). What the caption
+leaves open is drawn from the generator: the gradient's axis and direction, the stripes'
+orientation, the checks' phase, and a fine grain on every background pixel, so that, as in real
+images, many nearly identical patches (and tokens) can fill the same place.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from models.toy_world import (
     BACKGROUNDS,
     COLOUR_NAMES,
     COLOURS,
+    IMAGE_SIZE,
     MAX_SHAPES,
+    PATCH_SIZE,
     POSITIONS,
     SHAPES,
     SIZES,
@@ -32,8 +39,8 @@ from models.toy_world import (
     is_held_out,
 )
 
-IMAGE_SIZE = 32
-SHAPE_RADIUS = {"small": 2.6, "large": 4.4}
+SHAPE_RADIUS = {"small": 4.0, "large": 5.6}  # a cell is 12 px: a large shape spans 11 px, a small one 8 px
+GRAIN = 10  # background pixels get a uniform grain in [-GRAIN, GRAIN] grey levels
 SHAPE_COUNT_PROBABILITIES = (0.4, 0.35, 0.25)  # for 1, 2 and 3 shapes
 SPLITS = ("train", "heldout", "any")
 
@@ -44,25 +51,27 @@ def _pale(colour: str, amount: float) -> np.ndarray:
 
 
 def _draw_background(kind: str, colour: str, rng: np.random.Generator, size: int) -> np.ndarray:
-    """A (size, size, 3) float background of the given kind and colour."""
+    """A (size, size, 3) float background of the given kind and colour, aligned to the tokenizer's patches."""
     light, dark = _pale(colour, 0.3), _pale(colour, 0.6)
+    patch = max(1, PATCH_SIZE * size // IMAGE_SIZE)
     ys, xs = np.mgrid[0:size, 0:size]
     if kind == "plain":
         weight = np.zeros((size, size), dtype=np.float32)
-    elif kind == "gradient":
+    elif kind == "gradient":  # one band per patch row or column
         axis = xs if rng.integers(2) else ys
-        weight = axis / (size - 1)
+        weight = (axis // patch) / max(1, size // patch - 1)
         if rng.integers(2):
             weight = 1.0 - weight
-    elif kind == "striped":
+    elif kind == "striped":  # stripes half a patch wide: one period per patch
         axis = xs if rng.integers(2) else ys
-        weight = ((axis + rng.integers(2)) // 2) % 2
-    elif kind == "checkered":
-        weight = ((ys // 4) + (xs // 4) + rng.integers(2)) % 2
+        weight = (axis % patch) >= patch // 2
+    elif kind == "checkered":  # patch-sized checks
+        weight = ((ys // patch) + (xs // patch) + rng.integers(2)) % 2
     else:
         raise ValueError(f"unknown background {kind!r}; the toy world knows {', '.join(BACKGROUNDS)}")
     weight = weight.astype(np.float32)[..., None]
-    return (1.0 - weight) * light + weight * dark
+    grain = rng.integers(-GRAIN, GRAIN + 1, size=(size, size, 1)).astype(np.float32)  # grey, shared by R, G, B
+    return (1.0 - weight) * light + weight * dark + grain
 
 
 def shape_mask(shape: str, centre_y: float, centre_x: float, radius: float, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -79,7 +88,7 @@ def shape_mask(shape: str, centre_y: float, centre_x: float, radius: float, size
         half_width = (dy - top) / (bottom - top) * radius
         return (dy >= top) & (dy <= bottom) & (np.abs(dx) <= half_width)
     if shape == "cross":
-        arm = 0.38 * radius
+        arm = 0.3 * radius  # thin enough that a small cross and a small circle differ in every quarter
         return ((np.abs(dy) <= arm) & (np.abs(dx) <= radius)) | ((np.abs(dx) <= arm) & (np.abs(dy) <= radius))
     raise ValueError(f"unknown shape {shape!r}; the toy world knows {', '.join(SHAPES)}")
 
@@ -88,11 +97,11 @@ def cell_centre(position: str, size: int = IMAGE_SIZE) -> tuple[float, float]:
     """Pixel coordinates (y, x) of the centre of a named position's cell."""
     row, col = divmod(POSITIONS.index(position), 3)
     cell = size / 3
-    return (row + 0.5) * cell, (col + 0.5) * cell
+    return (row + 0.5) * cell, (col + 0.5) * cell  # a patch corner when size == IMAGE_SIZE
 
 
 def render_scene(scene: SceneSpec, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
-    """Draw a scene. The generator picks what the caption leaves open (jitter, stripe direction).
+    """Draw a scene. The generator picks what the caption leaves open (stripe direction, grain, ...).
 
     Returns:
         (size, size, 3) uint8 RGB pixels.
@@ -100,8 +109,7 @@ def render_scene(scene: SceneSpec, rng: np.random.Generator, size: int = IMAGE_S
     canvas = _draw_background(scene.background, scene.background_colour, rng, size)
     for spec in scene.shapes:
         centre_y, centre_x = cell_centre(spec.position, size)
-        jitter_y, jitter_x = rng.integers(-1, 2, size=2)
-        mask = shape_mask(spec.shape, centre_y + jitter_y, centre_x + jitter_x, SHAPE_RADIUS[spec.size], size)
+        mask = shape_mask(spec.shape, centre_y, centre_x, SHAPE_RADIUS[spec.size] * size / IMAGE_SIZE, size)
         canvas[mask] = np.asarray(COLOURS[spec.colour], dtype=np.float32)
     return np.clip(np.rint(canvas), 0, 255).astype(np.uint8)
 
@@ -141,7 +149,7 @@ def render_dataset(count: int, seed: int, split: str = "train") -> tuple[list[st
     """Captions and pixels of `count` scenes fixed by `seed`.
 
     Returns:
-        (captions, images): `count` captions and a (count, 32, 32, 3) uint8 array.
+        (captions, images): `count` captions and a (count, 36, 36, 3) uint8 array.
     """
     rng = np.random.default_rng(seed)
     captions, images = [], np.empty((count, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)

@@ -76,6 +76,7 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
+from models.toy_world import IMAGE_SIZE as TOY_IMAGE_SIZE
 
 FID_NOTE = (
     "FID-style distance in the SceneReader's 256-d feature space to the AR images of the same prompts; "
@@ -323,7 +324,8 @@ class Quality:
         return self.target.decode_images(torch.stack(tokens).to(self.target.device)).cpu()
 
     def readable(self, images: Tensor) -> bool:
-        return tuple(images.shape[1:]) == (32, 32, 3)
+        side = self.reader.image_size
+        return tuple(images.shape[1:]) == (side, side, 3)
 
     def fidelity(self, images: Tensor, prompts: Sequence[str]) -> tuple[float | None, float | None]:
         """Fraction of images matching their caption and its binomial standard error."""
@@ -639,7 +641,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
                                  warmup=not args.no_warmup, second_ar_draw=has_ar)  # fmt: skip
     elapsed = time.perf_counter() - started
-    quality = Quality(target) if target.geometry.image_size == (32, 32) else None
+    quality = Quality(target) if target.geometry.image_size == (TOY_IMAGE_SIZE, TOY_IMAGE_SIZE) else None
     records = summarise(methods, rules, tallies, floor, prompts, quality)
     print(format_table(records))
     print(f"{len(prompts)} prompts, {len(methods)} methods, {elapsed:.0f} s; {TAU_DEFINITION}.")

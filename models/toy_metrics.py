@@ -11,7 +11,7 @@ passed through the VQ so that it reads decoded images as well as clean ones.
 - The FID-style distance is torchmetrics' `FrechetInceptionDistance` with the reader's 256-d
   embedding as the feature network (nothing is downloaded).
 
-Shapes: B images of 32 x 32 RGB, P = 9 positions.
+Shapes: B images of 36 x 36 RGB, P = 9 positions.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models.toy_world import BACKGROUNDS, COLOUR_NAMES, POSITIONS, SHAPES, SIZES, parse_caption
+from models.toy_world import BACKGROUNDS, COLOUR_NAMES, IMAGE_SIZE, POSITIONS, SHAPES, SIZES, parse_caption
 
 NUM_POSITIONS = len(POSITIONS)
 # Per position: presence (2), colour, shape kind, size; then background kind and colour.
@@ -58,29 +58,30 @@ def scene_labels(captions: list[str]) -> dict[str, Tensor]:
 
 
 class SceneReader(nn.Module):
-    """A small CNN from 32 x 32 RGB to scene attributes and a 256-d embedding."""
+    """A small CNN from 36 x 36 RGB to scene attributes and a 256-d embedding."""
 
     embedding_dim = 256
+    image_size = IMAGE_SIZE
 
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(3, 32, 3, padding=1), nn.GELU(),
-            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GELU(),  # 16 x 16
+            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GELU(),  # 18 x 18
             nn.Conv2d(64, 64, 3, padding=1), nn.GELU(),
-            nn.Conv2d(64, 128, 3, padding=1, stride=2), nn.GELU(),  # 8 x 8
+            nn.Conv2d(64, 96, 3, padding=1, stride=2), nn.GELU(),  # 9 x 9
             nn.Flatten(),
-            nn.Linear(128 * 8 * 8, self.embedding_dim), nn.GELU(),
+            nn.Linear(96 * (IMAGE_SIZE // 4) ** 2, self.embedding_dim), nn.GELU(),
         )  # fmt: skip
         self.heads = nn.Linear(self.embedding_dim, _HEAD_WIDTH)
 
     def embed(self, images: Tensor) -> Tensor:
-        """(B, 32, 32, 3) uint8 -> (B, 256) float embedding."""
-        x = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, 32, 32)
+        """(B, 36, 36, 3) uint8 -> (B, 256) float embedding."""
+        x = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, 36, 36)
         return self.features(x)
 
     def forward(self, images: Tensor) -> dict[str, Tensor]:
-        """(B, 32, 32, 3) uint8 -> attribute logits: present (B, P, 2), colour (B, P, 8), shape, size,
+        """(B, 36, 36, 3) uint8 -> attribute logits: present (B, P, 2), colour (B, P, 8), shape, size,
         background (B, 4), background_colour (B, 8)."""
         out = self.heads(self.embed(images))
         cells, background = out.split([NUM_POSITIONS * _CELL_WIDTH, out.shape[1] - NUM_POSITIONS * _CELL_WIDTH], 1)
@@ -108,7 +109,7 @@ class SceneReader(nn.Module):
 
     @torch.no_grad()
     def matches(self, images: Tensor, captions: list[str]) -> Tensor:
-        """Whether each image shows exactly what its caption says. (B, 32, 32, 3) uint8 -> (B,) bool."""
+        """Whether each image shows exactly what its caption says. (B, 36, 36, 3) uint8 -> (B,) bool."""
         if len(captions) != images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
         read, labels = self.read(images), scene_labels(captions)
@@ -129,7 +130,7 @@ class SceneReader(nn.Module):
         Keys: `spurious` (a shape read where the caption has none), `missing` (a captioned shape not
         read), `colour`, `shape`, `size` (of a captioned shape that is there), `background`,
         `background_colour`. An image may count under several keys; prompt fidelity is the share
-        with none. (B, 32, 32, 3) uint8 images.
+        with none. (B, 36, 36, 3) uint8 images.
         """
         if len(captions) != images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
@@ -180,7 +181,7 @@ class SceneFeatures(nn.Module):
 
 @torch.no_grad()
 def frechet_distance(real: Tensor, generated: Tensor, reader: SceneReader) -> float:
-    """FID-style distance between two image sets ((N, 32, 32, 3) uint8 each) in the reader's feature space."""
+    """FID-style distance between two image sets ((N, 36, 36, 3) uint8 each) in the reader's feature space."""
     from torchmetrics.image.fid import FrechetInceptionDistance  # lazy: torchmetrics takes seconds to import
 
     metric = FrechetInceptionDistance(feature=SceneFeatures(reader), normalize=False)

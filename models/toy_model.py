@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from models.llamagen import LlamaGenConfig, LlamaGenTransformer
-from models.toy_world import MAX_CAPTION_WORDS, WORDS, caption_word_ids
+from models.toy_world import IMAGE_SIZE, MAX_CAPTION_WORDS, PATCH_SIZE, WORDS, caption_word_ids
 
 
 @dataclass(kw_only=True)
@@ -74,8 +74,8 @@ class CaptionEncoder(nn.Module):
 
 
 TOY_GPT_CONFIG = LlamaGenConfig(
-    dim=128, num_layers=8, num_heads=2, multiple_of=64, vocab_size=512, caption_dim=128,
-    cls_token_num=MAX_CAPTION_WORDS, grid_size=8,
+    dim=128, num_layers=8, num_heads=2, multiple_of=64, vocab_size=1024, caption_dim=128,
+    cls_token_num=MAX_CAPTION_WORDS, grid_size=IMAGE_SIZE // PATCH_SIZE,
 )  # fmt: skip
 
 

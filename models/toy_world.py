@@ -53,6 +53,11 @@ POSITION_PHRASES: dict[str, str] = {
 }
 MAX_SHAPES = 3
 
+# Geometry: a 36 x 36 canvas, 3 x 3 cells of 12 x 12 px, each cell 2 x 2 patches of the 6 x 6 tokenizer.
+IMAGE_SIZE = 36
+CELL_SIZE = IMAGE_SIZE // 3
+PATCH_SIZE = CELL_SIZE // 2
+
 # Every word the grammar can produce, plus padding and unknown; index 0 is padding.
 PAD_WORD, UNKNOWN_WORD = "<pad>", "<unk>"
 WORDS: tuple[str, ...] = (

@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from models.toy_world import IMAGE_SIZE, PATCH_SIZE
+
 
 def image_to_patches(images: Tensor, patch: int) -> Tensor:
     """(B, H, W, 3) uint8 or float -> (B, G, C) float in [0, 1], patches in raster order."""
@@ -42,7 +44,7 @@ class PatchVQ(nn.Module):
 
     codebook: Tensor  # (K, C), a registered buffer
 
-    def __init__(self, num_codes: int = 512, patch: int = 4, image_size: int = 32) -> None:
+    def __init__(self, num_codes: int = 1024, patch: int = PATCH_SIZE, image_size: int = IMAGE_SIZE) -> None:
         super().__init__()
         if image_size % patch:
             raise ValueError(f"image_size {image_size} must be a multiple of patch {patch}")

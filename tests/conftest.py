@@ -11,9 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from models.llamagen import LlamaGenConfig  # noqa: E402
+from models.target import SamplingDefaults  # noqa: E402
 from models.toy_model import CaptionEncoderConfig, ToyTextToImage  # noqa: E402
 from models.toy_target import ToyTarget  # noqa: E402
-from models.toy_world import MAX_CAPTION_WORDS  # noqa: E402
+from models.toy_world import MAX_CAPTION_WORDS, PATCH_SIZE  # noqa: E402
 from models.vq import PatchVQ  # noqa: E402
 
 
@@ -36,9 +37,11 @@ def build_tiny_toy_target(seed: int = 0, grid: int = 4, vocab: int = 64) -> ToyT
     network = ToyTextToImage(encoder, gpt)
     for parameter in network.parameters():  # larger weights than the init, so outputs differ clearly
         parameter.data.normal_(0, 0.15)
-    vq = PatchVQ(num_codes=vocab, patch=4, image_size=4 * grid)
+    vq = PatchVQ(num_codes=vocab, patch=PATCH_SIZE, image_size=PATCH_SIZE * grid)
     vq.codebook.uniform_(0, 1)
-    return ToyTarget(network, vq, name="tiny-toy")
+    # top-k 5 of the 64 codes: a sharp enough target that a briefly trained drafter gets drafts accepted
+    sampling = SamplingDefaults(cfg_scale=2.0, temperature=1.0, top_k=5, top_p=None)
+    return ToyTarget(network, vq, name="tiny-toy", sampling=sampling)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from PIL import Image
 from inference.generate import build_rule, main
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
+from models.toy_world import PATCH_SIZE
 
 
 def test_generate_writes_images_grid_and_summary(tmp_path):
@@ -22,8 +23,8 @@ def test_generate_writes_images_grid_and_summary(tmp_path):
     summary = json.loads((tmp_path / "generation.json").read_text())
     assert [record["file"] for record in summary["images"]] == ["00000.png", "00001.png", "00002.png"]
     assert summary["sampling"]["cfg_scale"] == 2.0 and summary["sampling"]["top_k"] == 50
-    assert Image.open(tmp_path / "00000.png").size == (32, 32)
-    assert Image.open(tmp_path / "grid.png").size[0] > 32
+    assert Image.open(tmp_path / "00000.png").size == (36, 36)
+    assert Image.open(tmp_path / "grid.png").size[0] > 36
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_generate_with_a_drafter_writes_per_image_tau_forwards_and_time(tiny_set
         assert record["drafter_forwards"] >= record["verification_steps"] and record["seconds"] > 0
         # every token comes from the prefill or a verification step: 1 + sum(accepted + 1) = G
         assert round(record["tau"] * record["verification_steps"]) == 16 - 1
-    assert Image.open(out / "00001.png").size == (16, 16) and (out / "grid.png").exists()
+    assert Image.open(out / "00001.png").size == (4 * PATCH_SIZE,) * 2 and (out / "grid.png").exists()
     printed = capsys.readouterr().out
     assert "accepted drafts + 1 per target forward" in printed and "target forwards" in printed
 

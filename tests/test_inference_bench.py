@@ -20,9 +20,9 @@ TREE = "--tree dynamic --tree-top-k 3 --tree-depth 3 --tree-total 10".split()
 
 @pytest.fixture
 def drafter(tmp_path, monkeypatch):
-    """--target tiny-bench: the tiny random target at the toy world's 32 x 32 pixels (8 x 8 tokens), so the
+    """--target tiny-bench: the tiny random target at the toy world's 36 x 36 pixels (6 x 6 tokens), so the
     scene reader can score it; and a tiny random EAGLE-3 drafter folder for it."""
-    monkeypatch.setitem(TARGET_LOADERS, "tiny-bench", lambda **kwargs: build_tiny_toy_target(grid=8))
+    monkeypatch.setitem(TARGET_LOADERS, "tiny-bench", lambda **kwargs: build_tiny_toy_target(grid=6))
     torch.manual_seed(0)
     return EagleDraftModel(drafter_preset("tiny", "eagle3")).save_pretrained(tmp_path / "drafter")
 
@@ -35,12 +35,12 @@ def test_bench_reports_tau_forwards_speed_quality_and_time_split(drafter, tmp_pa
     assert [r["label"] for r in summary["records"]] == ["ar", "exact", "cascade"] == [r["label"] for r in records]
     assert summary["num_prompts"] == 2 and "bonus" in summary["tau_definition"] and "noise floor" in summary["fid_note"]
     ar, exact, cascade = summary["records"]
-    assert ar["tau"] == 1.0 and ar["target_forwards_per_image"] == 64 and ar["speedup_vs_ar"] == pytest.approx(1.0)
+    assert ar["tau"] == 1.0 and ar["target_forwards_per_image"] == 36 and ar["speedup_vs_ar"] == pytest.approx(1.0)
     assert cascade["settings"]["delta"] == 0.4 and exact["settings"] == {}
     for r in (exact, cascade):
         assert 1.0 <= r["tau"] <= 4.0
-        # 64 tokens: the prefill's + (tau per verification step) x (target forwards - 1)
-        assert r["tau"] * (r["target_forwards_per_image"] - 1) == pytest.approx(63, abs=1e-3)
+        # 36 tokens: the prefill's + (tau per verification step) x (target forwards - 1)
+        assert r["tau"] * (r["target_forwards_per_image"] - 1) == pytest.approx(35, abs=1e-3)
         assert r["drafter_forwards_per_image"] > 0 and r["seconds_per_image"] > 0 and r["speedup_vs_ar"] > 0
         assert {"verify", "target", "draft", "view", "wall"} <= set(r["ms_per_step"])
         assert 0 < r["verify_share"] < 1 and r["verify_vs_target"] > 0

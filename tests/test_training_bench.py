@@ -71,7 +71,7 @@ def test_the_cli_prints_both_step_times_and_the_ratio(capsys: pytest.CaptureFixt
     argv = ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--ttt-steps", "2", "--cfg-loss"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    for text in (f"torch {torch.__version__}", "threads: torch 1", "aux (2, 64, 384)", "uncond_aux (2, 64, 384)",
+    for text in (f"torch {torch.__version__}", "threads: torch 1", "aux (2, 36, 384)", "uncond_aux (2, 36, 384)",
                  "ttt_steps 2", "plain", "lightning", "ratio lightning / plain:"):  # fmt: skip
         assert text in out, out
     ratio = float(out.split("ratio lightning / plain:")[1].split()[0])

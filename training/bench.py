@@ -6,7 +6,7 @@ against a plain PyTorch loop over the same drafter and the same batch, measured 
     python -m training.bench --architecture eagle1 --cfg-loss --threads 2
 
 Both sides train the toy target's "toy" drafter preset on one synthetic batch built in memory with
-the shapes of an extracted toy batch (tokens (B, 64), hidden (B, 64, 128), aux (B, 64, 384) in
+the shapes of an extracted toy batch (tokens (B, 36), hidden (B, 36, 128), aux (B, 36, 384) in
 float16, loss_mask, keys; uncond_hidden and uncond_aux with --cfg-loss), so no dataset is needed.
 
 - lightning: `Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,

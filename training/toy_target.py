@@ -1,12 +1,12 @@
 """Train the embedded toy world's models: the patch VQ, the text-to-image target and the scene reader.
 
-    python -m training.toy_target --stage all            # everything, about 45 minutes on 2 CPU cores
-    python -m training.toy_target --stage target --steps 3000 --out models/assets
+    python -m training.toy_target --stage all            # everything, about 42 minutes on 2 CPU cores
+    python -m training.toy_target --stage target --steps 5000 --out models/assets
 
 Stages (each writes one safetensors file into --out; the shipped files in `models/assets/` were
 made by exactly this command, see `models/assets/MODEL_CARD.md`):
 
-- `vq`: k-means patch codebook fitted on 4000 training scenes -> `toy_vq.safetensors`;
+- `vq`: k-means patch codebook (1024 codes) fitted on 8000 training scenes -> `toy_vq.safetensors`;
 - `target`: the caption encoder + LlamaGen GPT, trained on freshly drawn training scenes with
   caption dropout (the learned unconditional caption replaces 10 % of captions, for CFG) ->
   `toy_target.safetensors`; resumable from `toy_target.partial.pt` after an interruption;
@@ -39,10 +39,10 @@ from models.vq import PatchVQ, reconstruction_error
 ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
 
 
-def train_vq(out: Path, seed: int, num_images: int = 4000, num_codes: int = 512) -> PatchVQ:
+def train_vq(out: Path, seed: int, num_images: int = 8000, num_codes: int = 1024) -> PatchVQ:
     """Fit the patch codebook on training scenes and save it."""
     _, images = render_dataset(num_images, seed=seed, split="train")
-    vq = PatchVQ(num_codes=num_codes, patch=4, image_size=images.shape[1])
+    vq = PatchVQ(num_codes=num_codes, image_size=images.shape[1])
     errors = vq.fit(torch.from_numpy(images), iterations=20, seed=seed)
     _, held_out = render_dataset(256, seed=seed + 1, split="heldout")
     print(f"vq: {num_codes} codes, patch MSE {errors[-1]:.5f}, held-out mean abs pixel error "
@@ -159,9 +159,20 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
 
 
 def evaluate(
-    folder: Path, num_prompts: int, cfg_scales: list[float], seed: int, grid_out: Path, top_k: int | None = None
+    folder: Path,
+    num_prompts: int,
+    cfg_scales: list[float],
+    seed: int,
+    grid_out: Path,
+    top_k: int | None = None,
+    samples_per_caption: int = 8,
 ) -> None:
-    """Sample held-out captions with the trained target at several CFG scales; print fidelity, FID, entropy."""
+    """Sample held-out captions with the trained target at several CFG scales; print fidelity, FID, entropy.
+
+    Each caption is sampled `samples_per_caption` times, so a caption's fidelity is a fraction and the
+    spread over captions gives a standard error; every scale after the first is also compared with
+    the first on the same captions (a paired difference with its standard error).
+    """
     import dataclasses
 
     from inference.generate import generate_ar, image_grid
@@ -178,22 +189,36 @@ def evaluate(
     errors = reader.attribute_errors(through_vq, captions)
     print("VQ round trip: images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
     print(f"sampling defaults: {target.sampling}" + (f", top_k overridden to {top_k}" if top_k is not None else ""))
-    print("cfg_scale  fidelity  fid_vs_truth  entropy_nats  top1_prob  seconds")
+    print(f"{samples_per_caption} samples per caption; fidelity ± standard error over captions")
+    print("cfg_scale  fidelity         vs_first         fid_vs_truth  entropy_nats  top1_prob  seconds")
     grid_out.mkdir(parents=True, exist_ok=True)
+    repeated = captions * samples_per_caption  # sample s of caption c sits at s * num_prompts + c
+    first: torch.Tensor | None = None
     for scale in cfg_scales:
         settings = dataclasses.replace(target.sampling, cfg_scale=scale)
         if top_k is not None:
             settings = dataclasses.replace(settings, top_k=top_k or None)  # 0 turns top-k off
-        generation = generate_ar(target, captions, settings, torch.Generator().manual_seed(seed), progress=True)
+        generation = generate_ar(target, repeated, settings, torch.Generator().manual_seed(seed), progress=True)
         images = target.decode_images(generation.tokens)
-        fidelity = reader.fidelity(images, captions)
-        distance = frechet_distance(truth, images, reader)
-        print(f"{settings.cfg_scale:9.2f}  {fidelity:8.3f}  {distance:12.2f}  {generation.mean_entropy:12.3f}  "
-              f"{generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
-        errors = reader.attribute_errors(images, captions)
+        hits = torch.cat(
+            [reader.matches(images[i : i + 256], repeated[i : i + 256]) for i in range(0, len(repeated), 256)]
+        )  # (num_prompts * samples_per_caption,) bool
+        per_caption = hits.float().view(samples_per_caption, num_prompts).mean(0)  # (num_prompts,)
+        first = per_caption if first is None else first
+        difference = per_caption - first
+        distance = frechet_distance(truth, images[:num_prompts], reader)
+        print(f"{settings.cfg_scale:9.2f}  {per_caption.mean():.3f} ± {_standard_error(per_caption):.3f}  "
+              f"{difference.mean():+.3f} ± {_standard_error(difference):.3f}  {distance:12.2f}  "
+              f"{generation.mean_entropy:12.3f}  {generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
+        errors = reader.attribute_errors(images, repeated)
         print("           images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
-        image_grid(images.numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
-    print(f"grids in {grid_out}")
+        image_grid(images[:num_prompts].numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
+    print(f"grids (the first sample of each caption) in {grid_out}")
+
+
+def _standard_error(values: torch.Tensor) -> float:
+    """Standard error of the mean of a 1-D tensor."""
+    return float(values.std(unbiased=True) / math.sqrt(values.numel())) if values.numel() > 1 else float("nan")
 
 
 def _atomic_save(obj: object, path: Path) -> None:
@@ -206,14 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=["vq", "target", "reader", "eval", "all"], default="all")
     parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
-    parser.add_argument("--steps", type=int, default=3000, help="target training steps")
+    parser.add_argument("--steps", type=int, default=5000, help="target training steps")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--reader-steps", type=int, default=1500)
     parser.add_argument("--reader-resume", action="store_true", help="continue training the reader in --out")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out captions sampled by --stage eval")
-    parser.add_argument("--eval-cfg-scales", default="1.0,3.0", help="comma-separated CFG scales for --stage eval")
+    parser.add_argument("--eval-cfg-scales", default="1.0,1.5", help="comma-separated CFG scales for --stage eval")
+    parser.add_argument("--eval-samples", type=int, default=8, help="images sampled per caption by --stage eval")
     parser.add_argument("--eval-top-k", type=int, help="override the target's top-k in --stage eval (0 = off)")
     parser.add_argument("--eval-out", type=Path, default=Path("runs/toy_eval"), help="where --stage eval puts grids")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -229,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         train_reader(args.out, vq, args.reader_steps, args.seed, resume=args.reader_resume)
     if args.stage in ("eval", "all"):
         scales = [float(s) for s in args.eval_cfg_scales.split(",")]
-        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out, args.eval_top_k)
+        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out, args.eval_top_k, args.eval_samples)
 
 
 if __name__ == "__main__":
