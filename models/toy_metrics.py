@@ -108,10 +108,18 @@ class SceneReader(nn.Module):
         return {name: logits.argmax(-1) for name, logits in self(images).items()}
 
     @torch.no_grad()
-    def matches(self, images: Tensor, captions: list[str]) -> Tensor:
-        """Whether each image shows exactly what its caption says. (B, 36, 36, 3) uint8 -> (B,) bool."""
+    def matches(self, images: Tensor, captions: list[str], batch_size: int = 256) -> Tensor:
+        """Whether each image shows exactly what its caption says. (B, 36, 36, 3) uint8 -> (B,) bool.
+
+        Reads `batch_size` images at a time.
+        """
         if len(captions) != images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
+        if len(captions) > batch_size:
+            return torch.cat([
+                self.matches(images[i : i + batch_size], captions[i : i + batch_size], batch_size)
+                for i in range(0, len(captions), batch_size)
+            ])  # fmt: skip
         read, labels = self.read(images), scene_labels(captions)
         present = labels["present"].bool()
         ok = (read["present"] == labels["present"]).all(1)
@@ -151,11 +159,7 @@ class SceneReader(nn.Module):
 
     def fidelity(self, images: Tensor, captions: list[str], batch_size: int = 256) -> float:
         """Prompt fidelity: the fraction of images whose attributes, read from pixels, match the caption."""
-        hits = [
-            self.matches(images[i : i + batch_size], captions[i : i + batch_size])
-            for i in range(0, len(captions), batch_size)
-        ]
-        return float(torch.cat(hits).float().mean())
+        return float(self.matches(images, captions, batch_size).float().mean())
 
     def save(self, path: str | Path) -> None:
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path))

@@ -200,9 +200,7 @@ def evaluate(
             settings = dataclasses.replace(settings, top_k=top_k or None)  # 0 turns top-k off
         generation = generate_ar(target, repeated, settings, torch.Generator().manual_seed(seed), progress=True)
         images = target.decode_images(generation.tokens)
-        hits = torch.cat(
-            [reader.matches(images[i : i + 256], repeated[i : i + 256]) for i in range(0, len(repeated), 256)]
-        )  # (num_prompts * samples_per_caption,) bool
+        hits = reader.matches(images, repeated)  # (num_prompts * samples_per_caption,) bool
         per_caption = hits.float().view(samples_per_caption, num_prompts).mean(0)  # (num_prompts,)
         first = per_caption if first is None else first
         difference = per_caption - first
