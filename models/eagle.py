@@ -131,7 +131,7 @@ class DrafterConfig:
 # configs (targets.md, peers.md §6); a drafter layer copies the target's layer shape.
 _SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (32, 2, 2, 64, 64),
-    "toy": (128, 2, 2, 344, 1024),
+    "toy": (128, 2, 2, 344, 4096),
     "llamagen-xl": (1280, 20, 20, 3584, 16384),
     "janus-pro-7b": (4096, 32, 32, 11008, 16384),
     "lumina-mgpt-7b": (4096, 32, 32, 11008, 8194),  # 8192 VQ codes + end-of-line + end-of-image (models/lumina.py)

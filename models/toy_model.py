@@ -74,7 +74,7 @@ class CaptionEncoder(nn.Module):
 
 
 TOY_GPT_CONFIG = LlamaGenConfig(
-    dim=128, num_layers=8, num_heads=2, multiple_of=64, vocab_size=1024, caption_dim=128,
+    dim=128, num_layers=8, num_heads=2, multiple_of=64, vocab_size=4096, caption_dim=128,
     cls_token_num=MAX_CAPTION_WORDS, grid_size=IMAGE_SIZE // PATCH_SIZE,
 )  # fmt: skip
 

@@ -23,9 +23,9 @@ from models.toy_model import ToyTextToImage
 from models.vq import PatchVQ
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-# CFG 1.5 is where held-out prompt fidelity peaks (MODEL_CARD.md); top-k 64 of 1024 codes keeps about
+# CFG 1.5 is where held-out prompt fidelity peaks (MODEL_CARD.md); top-k 256 of 4096 codes keeps about
 # the share of the vocabulary that LlamaGen's top-k 1000 of 16384 keeps.
-TOY_SAMPLING = SamplingDefaults(cfg_scale=1.5, temperature=1.0, top_k=64, top_p=None)
+TOY_SAMPLING = SamplingDefaults(cfg_scale=1.5, temperature=1.0, top_k=256, top_p=None)
 
 
 class ToyTarget(DecoderTarget):

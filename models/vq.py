@@ -44,7 +44,7 @@ class PatchVQ(nn.Module):
 
     codebook: Tensor  # (K, C), a registered buffer
 
-    def __init__(self, num_codes: int = 1024, patch: int = PATCH_SIZE, image_size: int = IMAGE_SIZE) -> None:
+    def __init__(self, num_codes: int = 4096, patch: int = PATCH_SIZE, image_size: int = IMAGE_SIZE) -> None:
         super().__init__()
         if image_size % patch:
             raise ValueError(f"image_size {image_size} must be a multiple of patch {patch}")

@@ -176,13 +176,13 @@ def test_config_validation():
         drafter_preset("tiny", "eagle1", target_hidden_size=64)
     with pytest.raises(ValueError, match="unknown drafter preset"):
         drafter_preset("gpt", "eagle3")
-    assert DrafterConfig.from_dict(dataclasses.asdict(drafter_preset("toy", "eagle3"))).vocab_size == 1024
+    assert DrafterConfig.from_dict(dataclasses.asdict(drafter_preset("toy", "eagle3"))).vocab_size == 4096
 
 
 def test_drafter_refuses_a_target_of_another_shape():
     target = build_tiny_toy_target()
     model = EagleDraftModel(drafter_preset("toy", "eagle3"))
-    with pytest.raises(ValueError, match="vocab_size 1024 vs the target's image vocabulary 64"):
+    with pytest.raises(ValueError, match="vocab_size 4096 vs the target's image vocabulary 64"):
         EagleDrafter(model, target)
 
 
