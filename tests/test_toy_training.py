@@ -54,5 +54,5 @@ def test_warm_start_refuses_a_target_of_another_width(tmp_path):
 
 def test_warm_start_names_a_missing_source_file(tmp_path):
     model = ToyTextToImage(ENCODER, dataclasses.replace(SMALL, vocab_size=16))
-    with pytest.raises(FileNotFoundError, match=r"--init-from .*: toy_target.safetensors is missing"):
+    with pytest.raises(FileNotFoundError, match=r"toy_target.safetensors is missing; train it with"):
         warm_start(model, PatchVQ(num_codes=16), tmp_path)

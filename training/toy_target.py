@@ -49,7 +49,7 @@ from models.vq import PatchVQ, nearest_code, reconstruction_error
 ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
 
 
-def train_vq(out: Path, seed: int, num_images: int = 8000, num_codes: int = 4096) -> PatchVQ:
+def train_vq(out: Path, seed: int, num_codes: int, num_images: int = 8000) -> PatchVQ:
     """Fit the patch codebook on training scenes and save it."""
     _, images = render_dataset(num_images, seed=seed, split="train")
     vq = PatchVQ(num_codes=num_codes, image_size=images.shape[1])
@@ -92,12 +92,10 @@ def warm_start(model: ToyTextToImage, vq: PatchVQ, source: Path) -> None:
     nearest in pixel space to each new code, so the caption encoder and the transformer keep what they
     learned and only the finer split of the codes is left to train.
     """
-    for file in ("toy_target.safetensors", "toy_vq.safetensors"):
-        if not (source / file).exists():
-            raise FileNotFoundError(f"--init-from {source}: {file} is missing; point it at a folder written by "
-                                    "`--stage vq` and `--stage target`")  # fmt: skip
-    old_model = ToyTextToImage.load(source / "toy_target.safetensors")
-    old_vq = PatchVQ.load(source / "toy_vq.safetensors")
+    from models.toy_target import ToyTarget
+
+    old = ToyTarget.from_assets(source)  # names a missing file; checks that its VQ matches its GPT
+    old_model, old_vq = old.network, old.vq
     nearest = nearest_code(vq.codebook, old_vq.codebook)  # (K_new,) ids of the old codebook
     state = model.state_dict()
     for name, value in old_model.state_dict().items():
@@ -291,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     np.seterr(all="raise")
     args.out.mkdir(parents=True, exist_ok=True)
     vq_path = args.out / "toy_vq.safetensors"
-    vq = train_vq(args.out, args.seed, num_codes=args.num_codes) if args.stage in ("vq", "all") else PatchVQ.load(vq_path)
+    training_vq = args.stage in ("vq", "all")
+    vq = train_vq(args.out, args.seed, args.num_codes) if training_vq else PatchVQ.load(vq_path)
     if args.stage in ("target", "all"):
         train_target(args.out, vq, args.steps, args.batch_size, args.lr, args.seed, args.init_from)
     if args.stage in ("reader", "all"):
