@@ -98,13 +98,9 @@ def _series(series: str, rule: str, *options: Mapping[str, object]) -> list[Swee
 
 SWEEP_GRID: list[SweepPoint] = [
     *_series("exact", "exact", {}),
-    *_series("cascade", "cascade", *({"delta": d} for d in (0.5, 1.0))),
-    *_series("cascade+beyond", "cascade", *({"delta": d, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5, 1.0))),
-    *_series(
-        "cascade+beyond tau_seq=0",
-        "cascade",
-        *({"delta": d, "tau_seq": 0.0, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5, 1.0)),
-    ),
+    *_series("cascade", "cascade", *({"delta": d} for d in (0.1, 0.25, 0.5, 1.0))),
+    *_series("cascade tau 0.5/0.3", "cascade", *({"delta": d, "tau_pos": 0.5, "tau_seq": 0.3} for d in (0.25, 0.5, 1.0))),
+    *_series("cascade+beyond", "cascade", *({"delta": d, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5))),
     *_series(
         "cascade+beyond conf_gate=0.8",
         "cascade",
@@ -112,8 +108,9 @@ SWEEP_GRID: list[SweepPoint] = [
     ),
     *_series("lantern", "lantern", *({"delta": d} for d in (0.05, 0.1, 0.2, 0.4))),
     *_series("lantern reject=pooled", "lantern", *({"delta": d, "reject_zeroes": "pooled"} for d in (0.1, 0.4))),
-    *_series("lantern++", "lantern++", *({"lam": lam} for lam in (1.5, 3.0, 5.0, 10.0))),
-    *_series("gsd", "gsd", *({"group": g} for g in (2, 3, 5))),
+    *_series("lantern++", "lantern++", *({"lam": lam, "k": k} for lam, k in ((3.0, 10), (5.0, 10), (10.0, 5), (20.0, 5)))),
+    *_series("gsd-blocks", "gsd-blocks", *({"group": g} for g in (2, 3, 5, 25))),
+    *_series("gsd", "gsd", *({"p_threshold": t} for t in (0.05, 0.15))),
 ]
 
 

@@ -32,7 +32,14 @@ import torch
 from torch import Tensor
 
 from inference.sampling import filter_logits, guided_logits
-from inference.tree import StaticTreeSpec, Tree, ancestor_mask, gumbel_topk, select_dynamic_tree
+from inference.tree import (
+    StaticTreeSpec,
+    Tree,
+    ancestor_mask,
+    gumbel_topk,
+    select_dynamic_tree,
+    select_sampled_slots,
+)
 from models.kv_cache import KVCache
 from models.target import Conditioning, ImageTarget, SamplingDefaults, TargetOutput
 
@@ -304,6 +311,95 @@ def draft_dynamic_tree(
         max_depth=depth,
         max_children=k,
     )
+
+
+def draft_sampled_dynamic_tree(
+    ctx: DraftContext,
+    root_token: Tensor,
+    root_q: Tensor,
+    root_hidden: Tensor,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tree:
+    """Draft a sampled dynamic tree: EAGLE-2's expansion by cumulative log q, children drawn from q.
+
+    Every level holds W = (total_tokens - 1) // depth nodes (level 1 at most top_k). Which child slots a
+    level gets is decided before they are drawn (`inference.tree.select_sampled_slots`: parent's
+    cumulative log q plus the log of q's c-th largest probability), so each node's children are a
+    prefix of its draws without replacement and recursive rejection sampling verifies the tree
+    losslessly. Greedy settings take q's top ranks instead (deterministic drafts). depth - 1 drafter calls.
+
+    Args:
+        root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
+        root_hidden: (R, D) the drafter's hidden at the root.
+    """
+    batch, vocab = root_q.shape
+    device = root_q.device
+    k = top_k
+    if k > vocab:
+        raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
+    width = (total_tokens - 1) // depth
+    if width < 1:
+        raise ValueError(f"total_tokens={total_tokens} gives no node per level for depth {depth}")
+    tokens, parents, q_conds, q_levels = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)], [], []
+    q_cond_root = torch.ones(batch, 1, device=device)
+    level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # (B, M, V), (R, M, D) of the current level
+    level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
+    anc = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # (B, M, J) draft-column ancestry
+    offset, tree_start = 0, ctx.cache.length
+    for level in range(1, depth + 1):
+        sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
+        level_width = min(width if level > 1 else min(width, k), sorted_q.shape[1] * k)  # known without a sync
+        count = select_sampled_slots(level_scores, sorted_q, level_width)
+        if greedy:
+            draws, cond = ranked, torch.ones_like(sorted_q)
+        else:
+            draws, cond = gumbel_topk(level_q, k, generator)  # (B, M, K) in draw order
+        chosen = torch.arange(k, device=device) < count[..., None]  # (B, M, K) a prefix per node
+        picked = (~chosen).flatten(1).float().argsort(dim=-1, stable=True)[:, :level_width]
+        parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
+        new_tokens = draws.flatten(1).gather(1, picked)
+        tokens.append(new_tokens)
+        parents.append(offset + parent_slot)
+        q_conds.append(cond.flatten(1).gather(1, picked).float())
+        child_q = level_q.gather(2, draws).flatten(1).gather(1, picked)  # q(x) under the parent
+        level_scores = level_scores.gather(1, parent_slot) + child_q.clamp_min(1e-30).log()
+        offset += level_q.shape[1]
+        if level == depth:
+            break
+        mask = torch.cat(
+            [anc.gather(1, parent_slot[..., None].expand(-1, -1, anc.shape[2])), _eye(batch, new_tokens.shape[1], device)],
+            dim=2,
+        )
+        rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])
+        level_q, level_hidden = ctx.run_level(level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask)
+        q_levels.append(level_q)
+        anc = mask
+    all_tokens = torch.cat(tokens, 1)
+    num_nodes = all_tokens.shape[1]
+    q_full = torch.zeros(batch, num_nodes, vocab, device=device)
+    q_full[:, 0] = root_q
+    if q_levels:
+        inner = torch.cat(q_levels, 1)  # (B, nodes of levels 1..depth-1, V)
+        q_full[:, 1 : 1 + inner.shape[1]] = inner
+    depths = torch.cat([torch.full_like(t, d) for d, t in enumerate(tokens)], 1)
+    return Tree(
+        all_tokens,
+        torch.cat(parents, 1),
+        depths,
+        torch.cat([q_cond_root, *q_conds], 1),
+        q_full,
+        sampled=not greedy,
+        max_depth=depth,
+        max_children=k,
+    )
+
+
+def _eye(batch: int, size: int, device: torch.device) -> Tensor:
+    return torch.eye(size, dtype=torch.bool, device=device).expand(batch, -1, -1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,22 +43,18 @@ from tqdm import tqdm
 
 from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
 from inference.speculative import DecoderConfig, SpeculativeGeneration, generate_speculative
-from inference.verify import CascadeRule, ExactRule, GSDRule, LanternRule, Rule, build_latent_neighbours
+from inference.rules import RULES, GSDRule, LanternRule, Rule
+from inference.speculative import TREE_KINDS
+from inference.verify import build_latent_neighbours
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
 
-RULE_CLASSES: dict[str, type] = {
-    "exact": ExactRule,
-    "lantern": LanternRule,
-    "lantern++": LanternRule,
-    "gsd": GSDRule,
-    "cascade": CascadeRule,
-}
+RULE_CLASSES: dict[str, type] = RULES
 TAU_DEFINITION = (
     "tau = accepted draft tokens + 1 per target verification forward (the +1 is the bonus/correction token "
     "each forward also yields); target_forwards counts the prefill (which yields image token 0) too"
 )
-_NOT_SETTABLE = {"name", "neighbours"}  # fixed by the rule's name / built from the target's codebook
+_NOT_SETTABLE = {"name", "neighbours", "embeddings"}  # fixed by the rule's name / built from the target's codebook
 
 
 @dataclass
@@ -212,19 +208,27 @@ def build_rule(name: str, target: ImageTarget, options: Mapping[str, object] | N
         if key not in known:
             raise ValueError(f"rule {name!r} has no field {key!r}; its fields: {', '.join(known) or 'none'}")
         values[key] = _convert(key, value, known[key]) if isinstance(value, str) else value
+    if name == "gsd":
+        return GSDRule(embeddings=_codebook(name, target), **values)  # type: ignore[arg-type]
     if name not in ("lantern", "lantern++"):
         return RULE_CLASSES[name](**values)
     if name == "lantern" and values.get("lam") is not None:
         raise ValueError("lam sets LANTERN++'s multiplicative bound: use the rule lantern++")
     if name == "lantern++" and values.setdefault("lam", 3.0) is None:
         raise ValueError("lantern++ needs lam (its multiplicative bound); without it use the rule lantern")
-    codebook = getattr(getattr(target, "vq", None), "codebook", None)
-    if codebook is None:
-        raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
+    codebook = _codebook(name, target)
     k = int(values.setdefault("k", default_lantern_k(codebook.shape[0])))  # type: ignore[call-overload]
     if not 1 <= k <= codebook.shape[0] - 2:
         raise ValueError(f"lantern k must be in 1..{codebook.shape[0] - 2} for {codebook.shape[0]} codes, got {k}")
     return LanternRule(neighbours=build_latent_neighbours(codebook, k + 1), **values)  # type: ignore[arg-type]
+
+
+def _codebook(name: str, target: ImageTarget) -> Tensor:
+    """The target's VQ codebook (V, e): LANTERN's latent proximity and GSD's embedding distance."""
+    codebook = getattr(getattr(target, "vq", None), "codebook", None)
+    if codebook is None:
+        raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
+    return codebook
 
 
 def rule_settings(rule: Rule) -> dict[str, object]:
@@ -262,7 +266,7 @@ def decoder_config(args: argparse.Namespace) -> DecoderConfig:
 def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
     parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument("--tree", choices=("static", "dynamic"), help="draft tree kind (default dynamic)")
+    parser.add_argument("--tree", choices=TREE_KINDS, help="draft tree kind (default dynamic)")
     parser.add_argument("--static-tree", help="static tree list name (default naive_extend_57)")
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
     parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")

@@ -38,14 +38,19 @@ from inference.drafter import (
     Drafter,
     draft_distribution,
     draft_dynamic_tree,
+    draft_sampled_dynamic_tree,
     draft_static_tree,
     to_rows,
 )
 from inference.sampling import filter_logits, guided_logits, sample_tokens, sampling_probabilities
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
-from inference.verify import CascadeRule, Rule, TargetView, Uniforms, verify
+from inference.rules import CascadeRule, Rule
+from inference.verify import TargetView, Uniforms, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
+
+
+TREE_KINDS = ("static", "dynamic", "dynamic-sampled")
 
 
 @dataclass(kw_only=True)
@@ -53,7 +58,8 @@ class DecoderConfig:
     """The draft tree of the tree decoder."""
 
     tree: str = "dynamic"
-    """"static" (EAGLE-1 list, sampled drafts) or "dynamic" (EAGLE-2, deterministic drafts)."""
+    """"static" (EAGLE-1 list, sampled drafts), "dynamic" (EAGLE-2, deterministic top-k drafts) or
+    "dynamic-sampled" (EAGLE-2 expansion, children drawn from q: `draft_sampled_dynamic_tree`)."""
     static_tree: str | tuple[tuple[int, ...], ...] = "naive_extend_57"
     """A static list's name in `inference.tree.STATIC_TREES`, or the child-index paths themselves."""
     top_k: int = 10
@@ -64,8 +70,8 @@ class DecoderConfig:
     """Dynamic tree: nodes kept, root included."""
 
     def __post_init__(self) -> None:
-        if self.tree not in ("static", "dynamic"):
-            raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
+        if self.tree not in TREE_KINDS:
+            raise ValueError(f"tree must be one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
         if isinstance(self.static_tree, str) and self.static_tree not in STATIC_TREES:
             raise ValueError(f"static_tree must be one of {sorted(STATIC_TREES)}, got {self.static_tree!r}")
         if self.top_k < 1 or self.depth < 1:
@@ -83,7 +89,12 @@ class DecoderConfig:
 
     @property
     def num_nodes(self) -> int:
-        return self.spec.num_nodes if self.tree == "static" else self.total_tokens
+        if self.tree == "static":
+            return self.spec.num_nodes
+        if self.tree == "dynamic-sampled":
+            width = (self.total_tokens - 1) // self.depth
+            return 1 + min(width, self.top_k) + (self.depth - 1) * width
+        return self.total_tokens
 
     @property
     def max_depth(self) -> int:
@@ -183,6 +194,10 @@ def _draft(
     tree_start = ctx.cache.length
     if config.tree == "static":
         tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator)
+    elif config.tree == "dynamic-sampled":
+        tree = draft_sampled_dynamic_tree(
+            ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens, greedy, generator
+        )
     else:
         tree = draft_dynamic_tree(ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens)
     ctx.cache.truncate(tree_start)  # draft columns are recomputed from target features next step

@@ -247,3 +247,26 @@ def select_dynamic_tree(
     parents = torch.cat([torch.full_like(root_token[:, None], -1), parent_node], dim=1)
     depths = torch.cat([torch.zeros_like(root_token[:, None]), cand_depths.gather(1, kept)], dim=1)
     return tokens, parents, depths, node_of[:, :num_candidates]
+
+
+def select_sampled_slots(parent_scores: Tensor, sorted_q: Tensor, width: int) -> Tensor:
+    """Which child slots a sampled dynamic tree draws at the next level (EAGLE-2 expansion, sampled).
+
+    Candidate slot (n, c) = the c-th draw of node n; its score is n's cumulative log q plus the log of
+    q(n)'s c-th largest probability, known before anything is drawn. The `width` best slots are kept
+    (stable: ties go to the earlier node, then the lower rank), so every node keeps a prefix of its
+    draw order, decided from what was drawn before: recursive rejection sampling stays lossless.
+
+    Args:
+        parent_scores: (B, M) cumulative log q of the M nodes of the current level (-inf: absent).
+        sorted_q: (B, M, K) each node's K largest drafter probabilities, descending.
+    Returns:
+        (B, M) int64: how many children each node draws (a prefix of its draw order). Slots past a
+        node's support (q = 0) sort last; if taken they are drawn with probability 0 and never tested.
+    """
+    batch, nodes, k = sorted_q.shape
+    scores = parent_scores[..., None] + sorted_q.clamp_min(1e-30).log()  # (B, M, K)
+    scores = scores.masked_fill(sorted_q <= 0, float("-inf")).flatten(1)
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width)
+    chosen = torch.zeros(batch, nodes * k, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(1, best, True).view(batch, nodes, k).sum(-1)

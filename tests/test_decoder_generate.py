@@ -16,13 +16,15 @@ from inference.drafter import FixedLogitsDrafter, OracleDrafter, build_draft_att
 from inference.generate import generate_ar
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
-from inference.verify import CascadeRule, ExactRule, GSDRule, LanternRule, build_latent_neighbours
+from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy_target import ToyTarget
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DYNAMIC = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)
 STATIC = DecoderConfig(tree="static")  # naive_extend_57
+SAMPLED_DYNAMIC = DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13)
 
 
 def greedy(target):
@@ -36,8 +38,9 @@ def greedy(target):
         (STATIC, lambda t: OracleDrafter(t, wrong_every=3)),
         (DYNAMIC, lambda t: OracleDrafter(t, scale=0.3)),
         (DYNAMIC, lambda t: FixedLogitsDrafter(torch.randn(64, generator=torch.Generator().manual_seed(0)))),
+        (SAMPLED_DYNAMIC, lambda t: OracleDrafter(t, wrong_every=3)),
     ],
-    ids=["static-oracle", "static-partial", "dynamic-blurred", "dynamic-fixed"],
+    ids=["static-oracle", "static-partial", "dynamic-blurred", "dynamic-fixed", "dynamic-sampled-partial"],
 )
 def test_greedy_speculative_output_equals_greedy_ar(tiny_target, config, make_drafter):
     settings = greedy(tiny_target)
@@ -116,8 +119,9 @@ def lossless_case():
     [
         DecoderConfig(tree="static", static_tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
         DecoderConfig(tree="dynamic", top_k=3, depth=3, total_tokens=10),
+        DecoderConfig(tree="dynamic-sampled", top_k=3, depth=3, total_tokens=10),
     ],
-    ids=["static", "dynamic"],
+    ids=["static", "dynamic", "dynamic-sampled"],
 )
 def test_exact_rule_samples_the_ar_distribution(config, lossless_case):
     target, prompts, ar = lossless_case
@@ -148,15 +152,17 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target):
     assert torch.equal(*runs)
 
 
-def test_every_rule_decodes_both_tree_kinds(tiny_target):
+def test_every_rule_decodes_every_tree_kind(tiny_target):
     neighbours = build_latent_neighbours(tiny_target.vq.codebook, 20)
     rules = [
         LanternRule(neighbours=neighbours, k=10, delta=0.2),
         LanternRule(neighbours=neighbours, k=10, lam=3.0),
-        GSDRule(group=8),
+        GSDBlocksRule(group=8),
+        GSDRule(embeddings=tiny_target.vq.codebook),
         CascadeRule(tau_pos=0.5, tau_seq=0.3, delta=0.3),
     ]
-    for config in (DYNAMIC, DecoderConfig(tree="static", static_tree="mc_sim_7b_63")):
+    sampled_dynamic = DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13)
+    for config in (DYNAMIC, DecoderConfig(tree="static", static_tree="mc_sim_7b_63"), sampled_dynamic):
         for rule in rules:
             result = generate_speculative(
                 tiny_target,

@@ -92,4 +92,5 @@ def test_build_rule_parses_every_field_type(tiny_target):
     lantern = build_rule("lantern", tiny_target, {"k": "5"})
     assert lantern.k == 5 and lantern.neighbours.shape == (64, 6) and lantern.lam is None
     assert build_rule("lantern++", tiny_target).lam == 3.0
-    assert build_rule("gsd", tiny_target, {"group": "7"}).group == 7
+    assert build_rule("gsd-blocks", tiny_target, {"group": "7"}).group == 7
+    assert build_rule("gsd", tiny_target, {"window": "6"}).window == 6

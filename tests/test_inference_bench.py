@@ -83,7 +83,7 @@ def test_methods_labels_and_scoped_rule_arguments():
         ("cascade@wide", "cascade", {"delta": "0.3", "tau_seq": "0"}),
     ]
     with pytest.raises(ValueError, match="not in --rules"):
-        parse_methods("ar,exact", ["gsd.group=3"])
+        parse_methods("ar,exact", ["gsd-blocks.group=3"])
     with pytest.raises(ValueError, match="unknown rule"):
         parse_methods("ar,medusa", None)
 

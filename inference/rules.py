@@ -1,0 +1,409 @@
+"""Verification rules, one class each: its parameters, the mass a draft is accepted with, and its residual.
+
+`inference.verify` walks the draft tree and asks the rule, for every child slot c of every node at
+once, two things (cascade.md §2.4, §4, §5):
+
+- `acceptance(...)` -> (a0, want): the rule's acceptance probability of the drafted token x, and for
+  budgeted rules (CASCADE) the extra acceptance probability it would like on top, which `verify`
+  grants while the TV budget delta of the verification step lasts;
+- `rejection(...)` -> the residual target after x is rejected (unnormalised; `verify` renormalises).
+
+Budgeted relaxation (CASCADE) only raises acceptance probabilities and keeps the exact residual,
+which makes its guarantee hold on every tree kind: couple the relaxed walk with the exact one through
+the same draws and uniforms; they first differ at a test whose uniform falls in [a0, a0 + charge),
+so P(outputs differ) <= the sum of charges along any walk <= delta, and the exact walk samples the
+target exactly. Hence TV(output of one verification step, target) <= delta, for deterministic and
+for sampled trees, static or dynamic (tested by enumeration in tests/test_decoder_lossless.py).
+
+Peer rules (LANTERN, LANTERN++, the two GSD rules) follow their authors' code (cascade.md Round 2,
+item 9), residual modifications included, and carry no such guarantee.
+
+Shapes: B rows, N tree nodes (every node is a potential parent), K child slots, V vocabulary,
+D feature width, L neighbour-table width, C candidate tokens per slot (2K + 1), W GSD window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inference.tree import Tree
+
+
+@dataclass
+class SlotInputs:
+    """What a rule sees when the c-th child of every node is tested."""
+
+    slot: int
+    p: Tensor  # (B, N, V) current residual target at every node (normalised)
+    x: Tensor  # (B, N) token of each node's c-th child (any value where the slot is empty)
+    p_x: Tensor  # (B, N) p(x)
+    q_x: Tensor  # (B, N) probability with which x was proposed (1 for deterministic drafts)
+    q_draw: Tensor | None  # (B, N, V) normalised distribution x was drawn from (sampled trees), else None
+
+
+@dataclass
+class TreeInputs:
+    """The verification problem, prepared once per step by `inference.verify`."""
+
+    tree: Tree
+    probs: Tensor  # (B, N, V) unmodified target distribution at every node
+    features: Tensor | None  # (B, N, D) similarity features (CASCADE), cond branch
+    children: Tensor  # (B, N, K) children in test order, -1 padded
+    kid_tokens: Tensor  # (B, N, K)
+    usable: Tensor  # (B, N, K) bool: the slot is tested when reached
+
+
+def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
+    """(..., V) bool mask that is True at `index` (..., M) where `keep` (..., M); no host sync (unlike one_hot)."""
+    mask = torch.zeros(*shape[:-1], shape[-1] + 1, dtype=torch.bool, device=index.device)
+    return mask.scatter_(-1, torch.where(keep, index, shape[-1]), True)[..., : shape[-1]]
+
+
+def exact_acceptance(inputs: SlotInputs) -> Tensor:
+    """min(1, p(x) / q(x)), 0 where q(x) = 0."""
+    return torch.where(inputs.q_x > 0, inputs.p_x / inputs.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0)
+
+
+def exact_residual(p: Tensor, x: Tensor, q_draw: Tensor | None) -> Tensor:
+    """relu(p - q_draw) (recursive rejection sampling); deterministic drafts (q one-hot at x): p with x removed."""
+    if q_draw is None:
+        return p.scatter(-1, x[..., None], 0.0)
+    return torch.relu(p - q_draw)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ExactRule:
+    """Lossless multi-draft speculative sampling (EAGLE; cascade.md §2.4)."""
+
+    name: str = "exact"
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return None
+
+    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        return exact_acceptance(slot), None
+
+    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return exact_residual(slot.p, slot.x, slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return slot.p_x
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LanternRule:
+    """LANTERN (lam None) or LANTERN++ (lam set), as jadohu/LANTERN `evaluate_posterior` does it.
+
+    p~(x) = p(x) + the largest prefix sum of p over x's k nearest codebook latents that stays <= delta
+    (LANTERN) or <= (lam - 1) p(x) (LANTERN++); accept w.p. min(1, p~(x) / q(x)). On rejection x is
+    removed and, if anything was pooled, its k + 1 nearest latents too ("code", the authors' code) or
+    only the pooled ones ("pooled"). On sampled (static) trees the LlamaGen/Anole file zeroes the
+    proposal q at those latents before relu(p - q), so they keep their p (`static_zeroes="q"`); the
+    Lumina file zeroes p (`static_zeroes="p"`).
+    """
+
+    neighbours: Tensor
+    """(V, L >= k + 1) int64: each code's other codes, nearest first (`build_latent_neighbours`)."""
+    k: int = 1000
+    delta: float = 0.1
+    lam: float | None = None
+    reject_zeroes: str = "code"
+    static_zeroes: str = "q"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"lantern k must be >= 1, got {self.k}")
+        if self.neighbours.shape[1] < self.k + (self.reject_zeroes == "code"):
+            raise ValueError(f"neighbour table has {self.neighbours.shape[1]} columns, k={self.k} needs more")
+        if self.reject_zeroes not in ("code", "pooled"):
+            raise ValueError(f"reject_zeroes must be 'code' or 'pooled', got {self.reject_zeroes!r}")
+        if self.static_zeroes not in ("q", "p"):
+            raise ValueError(f"static_zeroes must be 'q' (LlamaGen file) or 'p' (Lumina file), got {self.static_zeroes!r}")
+        if self.lam is not None and self.lam < 1:
+            raise ValueError(f"lantern++ needs lam >= 1, got {self.lam}")
+        if not 0 <= self.delta <= 1:
+            raise ValueError(f"lantern delta is a TV bound in [0, 1], got {self.delta}")
+
+    @property
+    def name(self) -> str:
+        return "lantern" if self.lam is None else "lantern++"
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return self.neighbours.to(inputs.probs.device)
+
+    def _pooled(self, table: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor, Tensor]:
+        """Neighbours (B, N, L), which of the first k are pooled (B, N, k), and the pooled mass (B, N)."""
+        near = table[slot.x]  # (B, N, L)
+        cumulative = slot.p.gather(2, near[..., : self.k]).cumsum(-1)  # (B, N, k)
+        bound = self.delta if self.lam is None else (self.lam - 1) * slot.p_x[..., None]
+        allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases
+        return near, allowed, (cumulative * allowed).amax(-1)
+
+    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        _, _, extra = self._pooled(state, slot)
+        mass = slot.p_x + extra
+        return torch.where(slot.q_x > 0, mass / slot.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+
+    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        near, allowed, _ = self._pooled(state, slot)
+        if self.reject_zeroes == "code":
+            zap = near[..., : self.k + 1]
+            zap_keep = allowed.any(-1, keepdim=True).expand_as(zap)
+        else:
+            zap, zap_keep = near[..., : self.k], allowed
+        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep)  # (B, N, V)
+        if slot.q_draw is None:
+            return slot.p.masked_fill(zero, 0.0).scatter(-1, slot.x[..., None], 0.0)
+        if self.static_zeroes == "q":
+            return torch.relu(slot.p - slot.q_draw.masked_fill(zero, 0.0))
+        return torch.relu(slot.p.masked_fill(zero, 0.0) - slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return slot.p_x + self._pooled(state, slot)[2]
+
+
+def _descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
+    """Order (..., V) of p, most likely first (stable), and each token's rank in it."""
+    order = p.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(p.shape[-1], device=p.device).expand_as(order))
+    return order, ranks
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GSDBlocksRule:
+    """The CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4): rank-block clusters.
+
+    The cluster of x is the block of G consecutive ranks of the current target distribution holding x;
+    accept w.p. min(1, p(C) / q(C)) with q(C) the proposal mass of the block (1 for deterministic
+    drafts, whose proposal is one-hot at x); on rejection the block is zeroed, then relu(p - q).
+    """
+
+    group: int = 25
+    name: str = "gsd-blocks"
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"gsd-blocks group (cluster size G) must be >= 1, got {self.group}")
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return None
+
+    def _cluster(self, slot: SlotInputs) -> Tensor:
+        _, ranks = _descending_ranks(slot.p)
+        block = ranks // self.group
+        return block == block.gather(2, slot.x[..., None])  # (B, N, V)
+
+    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        cluster = self._cluster(slot)
+        mass = (slot.p * cluster).sum(-1)
+        proposal = torch.ones_like(mass) if slot.q_draw is None else (slot.q_draw * cluster).sum(-1)
+        return torch.where(slot.q_x > 0, mass / proposal.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+
+    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return exact_residual(slot.p.masked_fill(self._cluster(slot), 0.0), slot.x, slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return (slot.p * self._cluster(slot)).sum(-1)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GSDRule:
+    """Grouped speculative decoding as its authors' code does it (junhyukso/GSD,
+    `scheduler/jacobi_iteration_lumina_mgpt.py`; cascade.md Round 2, item 9).
+
+    The cluster of x: the tokens whose rank in the current target distribution lies in the window
+    [r - window/2, r + window/2) around x's rank r, kept where |p(y) - p(x)| < p_threshold and the
+    squared L2 distance of their embeddings to x's is < distance_threshold (x itself always). Accept
+    w.p. min(1, p(C) / q(C)) (q(C) = 1 for deterministic drafts); the residual is relu(p - q), the
+    cluster is not removed.
+    """
+
+    embeddings: Tensor
+    """(V, E) token embeddings the distance is measured on (the authors used the target's input embeddings)."""
+    window: int = 14
+    p_threshold: float = 0.15
+    distance_threshold: float = 0.5
+    name: str = "gsd"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"gsd window must be >= 1, got {self.window}")
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return self.embeddings.to(inputs.probs.device).float()
+
+    def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor]:
+        order, ranks = _descending_ranks(slot.p)
+        vocab = slot.p.shape[-1]
+        rank_x = ranks.gather(2, slot.x[..., None])  # (B, N, 1)
+        offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=slot.p.device)
+        at = rank_x + offsets  # (B, N, W)
+        inside = (at >= 0) & (at < vocab)
+        members = order.gather(2, at.clamp(0, vocab - 1))  # (B, N, W)
+        p_members = slot.p.gather(2, members)
+        distance = (embeddings[members] - embeddings[slot.x][..., None, :]).pow(2).sum(-1)  # (B, N, W)
+        keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
+        keep &= distance < self.distance_threshold
+        keep |= inside & (members == slot.x[..., None])
+        mass = (p_members * keep).sum(-1)
+        if slot.q_draw is None:
+            return mass, torch.ones_like(mass)
+        return mass, (slot.q_draw.gather(2, members) * keep).sum(-1)
+
+    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        mass, proposal = self._cluster_mass(state, slot)
+        return torch.where(slot.q_x > 0, mass / proposal.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+
+    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return exact_residual(slot.p, slot.x, slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return self._cluster_mass(state, slot)[0]
+
+
+def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
+    """Mean-centred cosine similarity in fp32 (cascade.md §4.1) of (..., D) against (..., D) -> (...)."""
+    a = a.float() - a.float().mean(-1, keepdim=True)
+    b = b.float() - b.float().mean(-1, keepdim=True)
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-8)
+
+
+def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
+    """KL(p || q) over the last dim, zero where p = 0."""
+    return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log()), 0.0).sum(-1)
+
+
+def nucleus_threshold(p: Tensor, mass: float) -> Tensor:
+    """The smallest probability inside the top set of p (..., V) holding `mass`: x is in it iff p(x) >= this."""
+    sorted_p = p.sort(-1, descending=True).values
+    before = sorted_p.cumsum(-1) - sorted_p
+    return torch.where(before < mass, sorted_p, float("inf")).amin(-1)
+
+
+@dataclass
+class CascadeSets:
+    """CASCADE's pooling candidates of every child slot, built once per verification step."""
+
+    candidates: Tensor  # (B, N, K, C) tokens a slot may pool: its siblings, its own children, its parent's token
+    pooled: Tensor  # (B, N, K, C) bool: in I(x) or C(x), distinct, not x
+    converged: Tensor  # (B, N, K) bool: the slot's region converged (for pool_beyond_tree)
+    eligible: Tensor  # (B, N, K) bool: the slot may be relaxed at all (confidence gate)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CascadeRule:
+    """CASCADE (cascade.md §4, Round 2 items 7-8): relaxed acceptance from the target's hidden states.
+
+    For the c-th child x of node u, with F the target's features at the nodes:
+    - interchangeability I(x): siblings m of x with sim(F[x], F[m]) >= tau_pos (breadth);
+    - convergence C(x), across consecutive tree levels (depth): when x's state resembles its
+      parent's, sim(F[x], F[u]) >= tau_seq (and KL(p at x || p at u) < kl_gate if set), the tokens
+      drafted on the adjacent levels, u's own token and x's children, are plausible at x's position
+      too; conv_mode "path" asks instead that u resembles its own parent;
+    - pool_beyond_tree: a converged x may pool any other mass of the residual.
+    x is accepted w.p. min(1, a0 + charge) with a0 = min(1, p(x)/q(x)) and charge = the extra
+    min(1, (p(x) + p(pooled)) / q(x)) - a0, cut to the TV budget delta left in this verification
+    step. Pooled tokens stay in the residual, which is the exact one, so TV(output, target) <= delta
+    (module docstring). conf_gate relaxes x only inside the target's nucleus of that mass.
+    """
+
+    delta: float = 0.5
+    """TV budget per verification step."""
+    tau_pos: float = 0.9
+    """Interchangeability threshold on sibling similarity."""
+    tau_seq: float = 0.625
+    """Convergence threshold on child-to-parent similarity."""
+    use_interchangeability: bool = True
+    use_convergence: bool = True
+    conv_mode: str = "sibling"
+    representation: str = "hidden"
+    """Similarity features: "hidden" (cond-branch post-norm hidden, mean-centred), "logits" or "probs"."""
+    conf_gate: float | None = None
+    kl_gate: float | None = None
+    pool_beyond_tree: bool = False
+    name: str = "cascade"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.delta <= 1:
+            raise ValueError(f"cascade delta is a TV budget in [0, 1], got {self.delta}")
+        if self.conv_mode not in ("sibling", "path"):
+            raise ValueError(f"conv_mode must be 'sibling' or 'path', got {self.conv_mode!r}")
+        if self.representation not in ("hidden", "logits", "probs"):
+            raise ValueError(f"representation must be hidden, logits or probs, got {self.representation!r}")
+        if self.conf_gate is not None and not 0 < self.conf_gate <= 1:
+            raise ValueError(f"conf_gate is a nucleus mass in (0, 1], got {self.conf_gate}")
+
+    def prepare(self, inputs: TreeInputs) -> CascadeSets:
+        if inputs.features is None:
+            raise ValueError("the cascade rule needs TargetView.features (see speculative.build_target_view)")
+        tree, children, usable = inputs.tree, inputs.children, inputs.usable
+        batch, num_nodes, width = children.shape
+        rows = torch.arange(batch, device=children.device)[:, None]
+        feats = inputs.features.float()
+        feats = feats - feats.mean(-1, keepdim=True)
+        feats = feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # (B, N, D): cosines become dot products
+        kid = children.clamp_min(0)  # (B, N, K)
+        kid_feats = feats[rows[..., None], kid]  # (B, N, K, D)
+        to_parent = (kid_feats * feats[:, :, None]).sum(-1)  # (B, N, K): sim(F[x], F[u])
+        if self.conv_mode == "sibling":
+            converged = to_parent >= self.tau_seq
+        else:
+            grand = tree.parents.clamp_min(0)  # (B, N)
+            up = (feats * feats[rows, grand]).sum(-1)  # (B, N): sim(F[u], F[parent(u)])
+            converged = ((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
+        if self.kl_gate is not None:
+            kid_p = inputs.probs[rows[..., None], kid]  # (B, N, K, V)
+            converged = converged & (kl_divergence(kid_p, inputs.probs[:, :, None]) < self.kl_gate)
+        converged = converged & usable & self.use_convergence
+        siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, N, K, K)
+        sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, N, K, K)
+        interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :] & self.use_interchangeability
+        grand_kids = children.gather(1, kid.flatten(1)[..., None].expand(-1, -1, width).clamp_min(0))
+        grand_kids = grand_kids.view(batch, num_nodes, width, width)  # (B, N, K, K) children of each child
+        grand_kids = torch.where((children >= 0)[..., None], grand_kids, -1)
+        grand_tokens = tree.tokens.gather(1, grand_kids.clamp_min(0).flatten(1)).view_as(grand_kids)
+        own = tree.tokens[:, :, None, None].expand(-1, -1, width, 1)  # (B, N, K, 1) the parent's token
+        candidates = torch.cat([siblings, grand_tokens, own], dim=-1)  # (B, N, K, C)
+        adjacent = torch.cat([(grand_kids >= 0), torch.ones_like(own, dtype=torch.bool)], dim=-1)
+        pooled = torch.cat([interchangeable, adjacent & converged[..., None]], dim=-1)
+        pooled &= candidates != inputs.kid_tokens[..., None]  # never x itself
+        earlier = torch.ones(pooled.shape[-1], pooled.shape[-1], dtype=torch.bool, device=pooled.device).tril(-1)
+        repeat = ((candidates[..., :, None] == candidates[..., None, :]) & pooled[..., None, :] & earlier).any(-1)
+        pooled &= ~repeat  # each token pooled once
+        eligible = usable.clone()
+        if self.conf_gate is not None:  # relax only tokens inside the target's nucleus at the parent
+            threshold = nucleus_threshold(inputs.probs, self.conf_gate)  # (B, N)
+            eligible &= inputs.probs.gather(2, inputs.kid_tokens) >= threshold[..., None]
+        return CascadeSets(candidates, pooled, converged & self.pool_beyond_tree, eligible)
+
+    def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        a0 = exact_acceptance(slot)
+        c = slot.slot
+        extra = (slot.p.gather(2, state.candidates[:, :, c]) * state.pooled[:, :, c]).sum(-1)  # (B, N)
+        extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)  # beyond the tree: all other mass
+        relaxed = torch.where(slot.q_x > 0, (slot.p_x + extra) / slot.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0)
+        return a0, torch.where(state.eligible[:, :, c], relaxed - a0, 0.0).clamp_min(0.0)
+
+    def rejection(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
+        return exact_residual(slot.p, slot.x, slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
+        a0, want = self.acceptance(inputs, state, slot)
+        return slot.p_x + (want if want is not None else 0.0).clamp_max(self.delta)
+
+
+Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule
+
+RULES: dict[str, type] = {
+    "exact": ExactRule,
+    "lantern": LanternRule,
+    "lantern++": LanternRule,
+    "gsd": GSDRule,
+    "gsd-blocks": GSDBlocksRule,
+    "cascade": CascadeRule,
+}
+"""Every rule by its command-line name (LANTERN++ is LanternRule with lam set)."""
