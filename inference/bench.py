@@ -72,7 +72,7 @@ from inference.generate import (
     read_prompt_lines,
     rule_settings,
 )
-from inference.speculative import DecoderConfig, generate_speculative
+from inference.speculative import TREE_KINDS, DecoderConfig, generate_speculative
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -536,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     parser.add_argument("--sweep", action="store_true", help="decode a grid of rule settings (see SWEEP_GRID)")
     parser.add_argument("--sweep-grid", type=Path, help="JSON grid [{series, rule, options}] instead of SWEEP_GRID")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="count aten ops and host syncs per speculative step, per phase, for every rule and "
+                        "tree kind (--tree: only that one); decodes --num-prompts prompts")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="sweep: Pareto plot PNG (default: next to --out, or pareto.png)")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a sweep JSON written by --out")
     latency = parser.add_argument_group(
@@ -633,6 +636,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rules = build_rules(methods, target)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    if args.count_ops:
+        return count_ops(args, target, drafter, methods, rules, prompts, settings, config)
     has_ar = any(m.rule == "ar" for m in methods)
     started = time.perf_counter()
     tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
@@ -673,6 +678,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.out:
         print(f"wrote {args.out}")
     return records
+
+
+def count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, methods: list[Method],
+              rules: dict[str, Rule | None], prompts: list[str], settings: SamplingDefaults,
+              config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
+    """--count-ops: aten ops and host syncs per speculative step, per phase, every rule x tree kind."""
+    from inference.cost import count_decode_ops, format_op_table
+
+    if drafter is None:
+        raise SystemExit("--count-ops needs --drafter")
+    speculative_rules = {m.label: rule for m in methods if (rule := rules[m.label]) is not None}
+    trees = {kind: dataclasses.replace(config, tree=kind) for kind in (args.tree,) if kind} or {
+        kind: dataclasses.replace(config, tree=kind) for kind in TREE_KINDS
+    }
+    rows = count_decode_ops(target, drafter, speculative_rules, trees, prompts, settings, args.seed)
+    print(format_op_table(rows))
+    if args.out:
+        _write_json({"command": ["python", "-m", "inference.bench", *sys.argv[1:]], "rows": rows}, args.out)
+        print(f"wrote {args.out}")
+    return rows
 
 
 def _write_json(summary: dict[str, Any], path: Path) -> None:

@@ -35,7 +35,6 @@ from inference.sampling import filter_logits, guided_logits
 from inference.tree import (
     StaticTreeSpec,
     Tree,
-    ancestor_mask,
     gumbel_topk,
     select_dynamic_tree,
     select_sampled_slots,
@@ -192,7 +191,7 @@ def draft_static_tree(
     q_cond = torch.ones(batch, num_nodes, device=device)
     q_full = torch.zeros(batch, num_nodes, vocab, device=device)
     q_full[:, 0] = root_q
-    anc = ancestor_mask(torch.tensor([parents], device=device), spec.max_depth)[0]  # (N, N)
+    anc = spec.ancestors.to(device)  # (N, N)
     expanded, level_q, level_hidden = [0], root_q[:, None], root_hidden[:, None]  # level d-1 state
     run_columns: list[int] = []  # draft-cache column j holds node run_columns[j]
     tree_start = ctx.cache.length

@@ -266,7 +266,7 @@ def decoder_config(args: argparse.Namespace) -> DecoderConfig:
 def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
     parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument("--tree", choices=TREE_KINDS, help="draft tree kind (default dynamic)")
+    parser.add_argument("--tree", choices=TREE_KINDS, help="draft tree kind (default static: naive_extend_57, sampled drafts)")
     parser.add_argument("--static-tree", help="static tree list name (default naive_extend_57)")
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
     parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")

@@ -26,7 +26,9 @@ D hidden size, Df drafter feature width.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,7 +47,7 @@ from inference.drafter import (
 from inference.sampling import filter_logits, guided_logits, sample_tokens, sampling_probabilities
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
 from inference.rules import CascadeRule, Rule
-from inference.verify import TargetView, Uniforms, verify
+from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
 
@@ -57,8 +59,9 @@ TREE_KINDS = ("static", "dynamic", "dynamic-sampled")
 class DecoderConfig:
     """The draft tree of the tree decoder."""
 
-    tree: str = "dynamic"
-    """"static" (EAGLE-1 list, sampled drafts), "dynamic" (EAGLE-2, deterministic top-k drafts) or
+    tree: str = "static"
+    """"static" (EAGLE-1 list, drafts sampled from q; the default: on the toy target it accepts 2.8x the
+    tokens per target forward of "dynamic", README), "dynamic" (EAGLE-2, deterministic top-k drafts) or
     "dynamic-sampled" (EAGLE-2 expansion, children drawn from q: `draft_sampled_dynamic_tree`)."""
     static_tree: str | tuple[tuple[int, ...], ...] = "naive_extend_57"
     """A static list's name in `inference.tree.STATIC_TREES`, or the child-index paths themselves."""
@@ -112,6 +115,28 @@ class SpeculativeGeneration:
     drafter_forwards: int  # drafter calls, its prefill included
     tv_charged: float  # CASCADE: mean TV budget spent per verification step (0 for other rules)
     seconds: float
+
+
+class DecodeHooks:
+    """What the decode loop tells an observer: the phase it is in, and every verification it made.
+
+    Subclass and pass to `generate_speculative(..., hooks=...)`: `inference.bench` times the phases
+    and counts their aten ops and host syncs; `inference.calibrate` reads the similarities of real
+    trees. Phases: "draft" (drafter reads the accepted path and drafts the tree), "target" (the
+    target forward over the tree), "view" (CFG and the target distributions), "verify" (the rule),
+    "commit" (KV commit and bookkeeping, the step's one host read included).
+    """
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
+        pass
+
+
+NO_HOOKS = DecodeHooks()
+_PACK = 1 << 32  # two small non-negative ints in one int64, read from the device at once
 
 
 @dataclass
@@ -243,6 +268,7 @@ def generate_speculative(
     config: DecoderConfig | None = None,
     settings: SamplingDefaults | None = None,
     generator: torch.Generator | None = None,
+    hooks: DecodeHooks = NO_HOOKS,
 ) -> SpeculativeGeneration:
     """Generate one image per prompt with tree speculative decoding.
 
@@ -251,9 +277,10 @@ def generate_speculative(
         drafter: an EAGLE-style drafter (`inference.drafter.Drafter`).
         prompts: B prompts.
         rule: the verification rule (`inference.verify`).
-        config: the draft tree; default: dynamic EAGLE-2 tree, top_k 10, depth 5, 60 nodes.
+        config: the draft tree; default: the static sampled tree naive_extend_57.
         settings: sampling settings, default the target's; temperature 0 = greedy.
         generator: source of all randomness (draws, acceptance tests, bonus tokens).
+        hooks: told each phase of every step (timing, op counting) and every verification.
     """
     config, settings = config or DecoderConfig(), settings or target.sampling
     cfg, greedy = settings.cfg_scale != 1.0, settings.temperature == 0
@@ -283,49 +310,57 @@ def generate_speculative(
     accepted_log, drafter_forwards, done = [], 1, False
     charged = torch.zeros((), device=first.device)  # summed on the device: no sync per step
     while not done:
-        root_index = count - 1
-        live = count < num_tokens
-        _ensure_room(drafter_cache, width_max + config.num_nodes, 0)  # its prefix layout is its own
-        ctx = DraftContext(drafter, drafter_cache, target, settings, cfg, root_index)
-        tree = _draft(ctx, config, pending, tokens.gather(1, root_index[:, None])[:, 0], greedy, generator)
-        drafter_forwards += 1 + ctx.forwards
-        _ensure_room(target_cache, tree.num_nodes, target.prefix_length)
-        tree_start = target_cache.length
-        index = tree_positions(tree.depths, root_index).clamp_max(num_tokens - 1)  # too-deep nodes are never accepted
-        out = target.forward(
-            to_rows(tree.tokens, cfg),
-            to_rows(target.image_positions(index), cfg),
-            target_cache,
-            to_rows(tree.attention_mask, cfg),
-            return_aux=use_aux,
-        )  # step 3
-        predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
-        view = build_target_view(out, rule, settings, cfg, greedy, target, predicted)
-        max_accept = (num_tokens - count - 1).clamp_min(0)
-        verdict = verify(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
-        num_accepted = torch.where(live, verdict.num_accepted, 0)
-        # Host sync, once per step: the commit width and whether every image is complete.
-        width, least = torch.stack([num_accepted.max() + 1, (count + num_accepted + 1).min()]).tolist()
-        pending = _commit(
-            tree,
-            verdict.last_node,
-            num_accepted,
-            verdict.next_token,
-            width,
-            target_cache,
-            tree_start,
-            target_features(out, drafter),
-            cfg,
-            root_index,
-            live,
-            num_tokens,
-        )  # step 5
-        slots = (count[:, None] + torch.arange(width, device=count.device)).where(pending.valid, tokens.shape[1] - 1)
-        tokens.scatter_(1, slots, pending.tokens)
-        count = torch.where(live, count + num_accepted + 1, count)
-        accepted_log.append(torch.where(live, num_accepted, -1))
-        charged += verdict.tv_charged.mean()
-        done = least >= num_tokens
+        with hooks.phase("draft"):
+            root_index = count - 1
+            live = count < num_tokens
+            _ensure_room(drafter_cache, width_max + config.num_nodes, 0)  # its prefix layout is its own
+            ctx = DraftContext(drafter, drafter_cache, target, settings, cfg, root_index)
+            tree = _draft(ctx, config, pending, tokens.gather(1, root_index[:, None])[:, 0], greedy, generator)
+            drafter_forwards += 1 + ctx.forwards
+        with hooks.phase("target"):
+            _ensure_room(target_cache, tree.num_nodes, target.prefix_length)
+            tree_start = target_cache.length
+            index = tree_positions(tree.depths, root_index).clamp_max(num_tokens - 1)  # too-deep: never accepted
+            out = target.forward(
+                to_rows(tree.tokens, cfg),
+                to_rows(target.image_positions(index), cfg),
+                target_cache,
+                to_rows(tree.attention_mask, cfg),
+                return_aux=use_aux,
+            )  # step 3
+        with hooks.phase("view"):
+            predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
+            view = build_target_view(out, rule, settings, cfg, greedy, target, predicted)
+        with hooks.phase("verify"):
+            max_accept = (num_tokens - count - 1).clamp_min(0)
+            verdict = verify(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
+        hooks.on_verify(tree, view, verdict)
+        with hooks.phase("commit"):
+            num_accepted = torch.where(live, verdict.num_accepted, 0)
+            # Host sync, once per step: the commit width and whether every image is complete, packed in one read.
+            packed = (num_accepted.max() + 1) * _PACK + (count + num_accepted + 1).min()
+            width, least = divmod(int(packed), _PACK)
+            pending = _commit(
+                tree,
+                verdict.last_node,
+                num_accepted,
+                verdict.next_token,
+                width,
+                target_cache,
+                tree_start,
+                target_features(out, drafter),
+                cfg,
+                root_index,
+                live,
+                num_tokens,
+            )  # step 5
+            valid_slots = count[:, None] + torch.arange(width, device=count.device)
+            slots = valid_slots.where(pending.valid, tokens.shape[1] - 1)
+            tokens.scatter_(1, slots, pending.tokens)
+            count = torch.where(live, count + num_accepted + 1, count)
+            accepted_log.append(torch.where(live, num_accepted, -1))
+            charged += verdict.tv_charged.mean()
+            done = least >= num_tokens
     accepted = torch.stack(accepted_log)  # (steps, B)
     tau = (accepted[accepted >= 0] + 1).float().mean()
     return SpeculativeGeneration(

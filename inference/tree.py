@@ -129,6 +129,11 @@ class StaticTreeSpec:
         """Node indices at `depth`, in order."""
         return [n for n, d in enumerate(self.depths) if d == depth]
 
+    @cached_property
+    def ancestors(self) -> Tensor:
+        """(N, N) bool ancestor-or-self mask of the shape, built once (on the CPU)."""
+        return ancestor_mask(torch.tensor([self.parents]), self.max_depth)[0]
+
     def expanded(self, depth: int) -> list[int]:
         """Nodes at `depth` that have children: the ones the drafter must run on."""
         has_children = set(self.parents[1:])
@@ -141,13 +146,14 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     One gather per level (max_depth iterations), no host sync.
     """
     batch, num_nodes = parents.shape
-    mask = torch.eye(num_nodes, dtype=torch.bool, device=parents.device).expand(batch, -1, -1).clone()
+    mask = torch.zeros(batch, num_nodes, num_nodes + 1, dtype=torch.bool, device=parents.device)  # last: dump
+    mask[:, :, :num_nodes] = torch.eye(num_nodes, dtype=torch.bool, device=parents.device)
     current = parents
     for _ in range(max_depth):
         has = current >= 0  # (B, N)
-        mask |= torch.nn.functional.one_hot(current.clamp_min(0), num_nodes).bool() & has[..., None]
+        mask.scatter_(2, torch.where(has, current, num_nodes)[..., None], True)  # scatter, not one_hot: no sync
         current = torch.where(has, parents.gather(1, current.clamp_min(0)), current)
-    return mask
+    return mask[:, :, :num_nodes]
 
 
 def children_table(parents: Tensor, max_children: int) -> Tensor:

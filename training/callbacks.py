@@ -51,8 +51,9 @@ class DecodeValidation(Callback):
         rules: verification rules to run (exact, cascade, gsd, lantern, lantern++; `inference.generate.build_rule`).
         num_prompts: K held-out prompts per evaluation, split across ranks.
         every_n_validations: run at every n-th validation (0 = off); always after the last training step.
-        tree: "dynamic" (EAGLE-2: top_k, depth, total_tokens) or "static" (naive_extend_57).
-        top_k, depth, total_tokens: the dynamic tree.
+        tree: "static" (naive_extend_57, sampled drafts: the decoder's default), "dynamic" (EAGLE-2:
+            top_k, depth, total_tokens, deterministic drafts) or "dynamic-sampled".
+        top_k, depth, total_tokens: the dynamic trees.
         seed: fixes prompts and sampling, so evaluations differ only by the drafter.
         log_images: add the image grid to TensorBoard.
     """
@@ -62,7 +63,7 @@ class DecodeValidation(Callback):
         rules: list[str] | None = None,
         num_prompts: int = 8,
         every_n_validations: int = 1,
-        tree: str = "dynamic",
+        tree: str = "static",
         top_k: int = 8,
         depth: int = 5,
         total_tokens: int = 40,

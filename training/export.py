@@ -473,7 +473,7 @@ def render_model_card(
         f'target = load_target("{target}")',
         f'drafter = EagleDrafter.from_pretrained("{name}", target{revision_arg})  # a Hub id or a local folder',
         'result = generate_speculative(target, drafter, ["a red circle on a blue background"], ExactRule(),',
-        '                              DecoderConfig(tree="dynamic"))',
+        '                              DecoderConfig(tree="static"))',
         "print(result.tokens.shape, result.tau)  # image tokens, tokens per target forward",
         "```",
         "",

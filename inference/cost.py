@@ -1,0 +1,143 @@
+"""What a speculative step costs in operations and host syncs, phase by phase (`OpCounter`).
+
+On a GPU every eager aten op is a kernel launch (about 5-10 us) and every host read of a device value
+a stall; on this CPU neither shows in milliseconds. `OpCounter` is a `DecodeHooks` that runs the
+decoder under a `TorchDispatchMode` and counts, per phase of the decode loop (draft, target, view,
+verify, commit), the aten ops dispatched and the host syncs among them: `_local_scalar_dense` (what
+`.item()`, `int()`, `bool()` and `if tensor:` dispatch), `nonzero` / `masked_select` / `unique`
+(their output size is read from the device) and device-to-host copies.
+
+    counter = OpCounter()
+    generate_speculative(target, drafter, prompts, rule, config, generator=g, hooks=counter)
+    counter.per_step()  # {"draft": (ops, syncs), ...} averaged over verification steps
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from inference.drafter import Drafter
+from inference.rules import Rule
+from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.tree import Tree
+from inference.verify import TargetView, Verdict
+from models.target import ImageTarget, SamplingDefaults
+
+PHASES = ("draft", "target", "view", "verify", "commit")
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "item"}
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.counter._count(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+class OpCounter(DecodeHooks):
+    """Counts aten ops and host syncs per decode phase while installed as the decoder's hooks."""
+
+    def __init__(self) -> None:
+        self.ops = dict.fromkeys(PHASES, 0)
+        self.syncs = dict.fromkeys(PHASES, 0)
+        self.steps = 0
+        self._phase: str | None = None
+
+    def _count(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if self._phase is None:
+            return
+        name = func.__name__.split(".")[0]
+        self.ops[self._phase] += 1
+        to_host = name in ("_to_copy", "copy_") and _device_to_host(name, args, kwargs)
+        if name in SYNC_OPS or to_host:
+            self.syncs[self._phase] += 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._phase = name
+        try:
+            with _Dispatch(self):
+                yield
+        finally:
+            self._phase = None
+
+    def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
+        self.steps += 1
+
+    def per_step(self) -> dict[str, tuple[float, float]]:
+        """(aten ops, host syncs) per verification step, by phase."""
+        steps = max(self.steps, 1)
+        return {p: (self.ops[p] / steps, self.syncs[p] / steps) for p in PHASES}
+
+
+def _device_to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a copy moves data from an accelerator to the host."""
+    source = args[0] if name == "_to_copy" else (args[1] if len(args) > 1 else None)
+    if not isinstance(source, torch.Tensor) or source.device.type == "cpu":
+        return False
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu"
+    return isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+
+
+def count_decode_ops(
+    target: ImageTarget,
+    drafter: Drafter,
+    rules: dict[str, Rule],
+    trees: dict[str, DecoderConfig],
+    prompts: list[str],
+    settings: SamplingDefaults | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Decode `prompts` (one at a time) with every rule on every tree under an `OpCounter`.
+
+    Returns one row per (tree, rule): aten ops and host syncs per verification step by phase, and the
+    drafting + verification + commit ops against the target forward's.
+    """
+    rows = []
+    for tree_name, config in trees.items():
+        for label, rule in rules.items():
+            counter = OpCounter()
+            for i, prompt in enumerate(prompts):
+                generator = torch.Generator(device=target.device).manual_seed(seed + i)
+                generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=counter)
+            per_step = counter.per_step()
+            overhead = sum(per_step[p][0] for p in ("draft", "view", "verify", "commit"))
+            rows.append(
+                {
+                    "tree": tree_name,
+                    "rule": label,
+                    "steps": counter.steps,
+                    "ops": {p: per_step[p][0] for p in PHASES},
+                    "syncs": {p: per_step[p][1] for p in PHASES},
+                    "syncs_per_step": sum(per_step[p][1] for p in PHASES),
+                    "overhead_ops_per_target_op": overhead / max(per_step["target"][0], 1.0),
+                }
+            )
+    return rows
+
+
+def format_op_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of `count_decode_ops` as a text table, ops and syncs per verification step."""
+    header = f"{'tree':<16} {'rule':<14} " + " ".join(f"{p + ' ops':>11}" for p in PHASES)
+    header += f" {'syncs/step':>10} {'overhead/target':>15}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ops = " ".join(f"{r['ops'][p]:>11.0f}" for p in PHASES)
+        lines.append(
+            f"{r['tree']:<16} {r['rule']:<14} {ops} {r['syncs_per_step']:>10.2f} {r['overhead_ops_per_target_op']:>15.2f}"
+        )
+    lines.append(
+        "aten ops and host syncs (_local_scalar_dense, nonzero, device-to-host copies) per verification step, eager; "
+        "overhead = draft + view + verify + commit ops over the target forward's"
+    )
+    return "\n".join(lines)

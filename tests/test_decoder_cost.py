@@ -1,0 +1,68 @@
+"""What a speculative step costs: host syncs and aten ops per phase, counted with `inference.cost.OpCounter`.
+
+Budgets that hold today and must not regress: at most one host sync per verification step (the
+step's packed read of the commit width) for every rule and tree kind, and a verification whose op
+count does not grow with the depth of the tree (it loops over child slots, never over levels or nodes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_drafter_models import tiny_drafter
+
+from inference.cost import OpCounter, count_decode_ops, format_op_table
+from inference.eagle import EagleDrafter
+from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.speculative import DecoderConfig, generate_speculative
+from inference.verify import build_latent_neighbours
+PROMPTS = ["a small red circle at the top left on a plain blue background"]
+TREES = {
+    "static": DecoderConfig(tree="static", static_tree="mc_sim_7b_63"),
+    "dynamic": DecoderConfig(tree="dynamic", top_k=4, depth=4, total_tokens=16),
+    "dynamic-sampled": DecoderConfig(tree="dynamic-sampled", top_k=4, depth=4, total_tokens=17),
+}
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    from conftest import build_tiny_toy_target
+
+    target = build_tiny_toy_target()
+    return target, EagleDrafter(tiny_drafter("eagle3").eval(), target)
+
+
+def rules(target) -> dict:
+    codebook = target.vq.codebook
+    return {
+        "exact": ExactRule(),
+        "cascade": CascadeRule(tau_pos=0.3, tau_seq=0.2),
+        "cascade-beyond": CascadeRule(pool_beyond_tree=True, conf_gate=0.8, tau_seq=0.2),
+        "lantern": LanternRule(neighbours=build_latent_neighbours(codebook, 9), k=8, delta=0.2),
+        "lantern++": LanternRule(neighbours=build_latent_neighbours(codebook, 9), k=8, lam=3.0),
+        "gsd": GSDRule(embeddings=codebook),
+        "gsd-blocks": GSDBlocksRule(group=4),
+    }
+
+
+def test_every_rule_and_tree_kind_reads_the_host_at_most_once_per_step(decoder):
+    target, drafter = decoder
+    rows = count_decode_ops(target, drafter, rules(target), TREES, PROMPTS[:1])
+    print(format_op_table(rows))
+    for row in rows:
+        assert row["steps"] > 1
+        assert row["syncs_per_step"] <= 1.0, row
+        assert row["ops"]["verify"] > 0 and row["ops"]["target"] > 0
+
+
+def test_verification_cost_does_not_grow_with_tree_depth(decoder):
+    target, drafter = decoder
+    counts = []
+    for depth in (2, 5):
+        config = DecoderConfig(tree="dynamic", top_k=3, depth=depth, total_tokens=1 + 3 * depth)
+        counter = OpCounter()
+        generate_speculative(target, drafter, PROMPTS[:1], CascadeRule(tau_seq=0.2), config,
+                             generator=torch.Generator().manual_seed(0), hooks=counter)  # fmt: skip
+        counts.append(counter.per_step()["verify"][0])
+    # the tree's own tables (children, root-to-node paths) take one gather per level; the rule's work none
+    assert counts[1] - counts[0] <= 3 * 16, counts  # measured: 13 per level (node_paths), the rule 0
