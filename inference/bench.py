@@ -1,7 +1,7 @@
 """Benchmark AR sampling and the tree decoder's verification rules on one prompt set: speed, tau and quality.
 
     python -m inference.bench --target toy --drafter outputs/drafters/demo \\
-        --rules ar,exact,lantern,lantern++,gsd,cascade --num-prompts 32 --out bench.json
+        --rules ar,exact,lantern,lantern++,gsd,gsd-blocks,cascade --num-prompts 32 --out bench.json
     python -m inference.bench --target toy --drafter outputs/drafters/demo --num-prompts 32 --sweep \\
         --out sweep.json --plot pareto.png
 
@@ -36,7 +36,7 @@ an AR step against one verification forward over `--tree-nodes` nodes (`inferenc
 `--latency` measures the same for a loaded target (`--target toy`).
 
 Rule settings: `--rule-arg RULE.NAME=VALUE` (repeatable) sets a field of a rule's dataclass
-(`inference.verify`), e.g. `cascade.delta=0.3`; a method may carry a label, `--rules cascade@wide`,
+(`inference.rules`), e.g. `cascade.delta=0.3`; a method may carry a label, `--rules cascade@wide`,
 addressed as `cascade@wide.delta=1.0` (settings of `cascade.` apply to every cascade label).
 
 Shapes: N prompts, G image tokens, H x W x 3 images.
@@ -99,7 +99,9 @@ def _series(series: str, rule: str, *options: Mapping[str, object]) -> list[Swee
 SWEEP_GRID: list[SweepPoint] = [
     *_series("exact", "exact", {}),
     *_series("cascade", "cascade", *({"delta": d} for d in (0.1, 0.25, 0.5, 1.0))),
-    *_series("cascade tau 0.5/0.3", "cascade", *({"delta": d, "tau_pos": 0.5, "tau_seq": 0.3} for d in (0.25, 0.5, 1.0))),
+    *_series(
+        "cascade tau 0.5/0.3", "cascade", *({"delta": d, "tau_pos": 0.5, "tau_seq": 0.3} for d in (0.25, 0.5, 1.0))
+    ),
     *_series("cascade+beyond", "cascade", *({"delta": d, "pool_beyond_tree": True} for d in (0.1, 0.25, 0.5))),
     *_series(
         "cascade+beyond conf_gate=0.8",
@@ -108,7 +110,9 @@ SWEEP_GRID: list[SweepPoint] = [
     ),
     *_series("lantern", "lantern", *({"delta": d} for d in (0.05, 0.1, 0.2, 0.4))),
     *_series("lantern reject=pooled", "lantern", *({"delta": d, "reject_zeroes": "pooled"} for d in (0.1, 0.4))),
-    *_series("lantern++", "lantern++", *({"lam": lam, "k": k} for lam, k in ((3.0, 10), (5.0, 10), (10.0, 5), (20.0, 5)))),
+    *_series(
+        "lantern++", "lantern++", *({"lam": lam, "k": k} for lam, k in ((3.0, 10), (5.0, 10), (10.0, 5), (20.0, 5)))
+    ),
     *_series("gsd-blocks", "gsd-blocks", *({"group": g} for g in (2, 3, 5, 25))),
     *_series("gsd", "gsd", *({"p_threshold": t} for t in (0.05, 0.15))),
 ]
@@ -223,9 +227,12 @@ def sweep_methods(grid: Sequence[SweepPoint], base: Sequence[Method]) -> list[Me
     return methods
 
 
-def build_rules(methods: Sequence[Method], target: ImageTarget) -> dict[str, Rule | None]:
-    """Each method's rule by label (None for AR); raises ValueError on a bad setting before any decoding."""
-    return {m.label: None if m.rule == "ar" else build_rule(m.rule, target, m.options) for m in methods}
+def build_rules(
+    methods: Sequence[Method], target: ImageTarget, drafter_dir: Path | None = None
+) -> dict[str, Rule | None]:
+    """Each method's rule by label (None for AR); raises ValueError on a bad setting before any decoding.
+    CASCADE reads the drafter folder's similarity calibration when there is one (`inference.calibrate`)."""
+    return {m.label: None if m.rule == "ar" else build_rule(m.rule, target, m.options, drafter_dir) for m in methods}
 
 
 def _decode_one(
@@ -439,6 +446,32 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(records: Sequence[dict[str, Any]], command: Sequence[str], summary: dict[str, Any]) -> str:
+    """The records as the README's decoding table: the command that made it, the seeds, each rule's settings."""
+    lines = [
+        "```bash",
+        " ".join(command),
+        "```",
+        "",
+        f"{summary['num_prompts']} prompts ({summary['prompt_source']}), sampling seed {summary['seed']}, "
+        f"tree {summary['tree']['tree']}, {summary['threads']} threads, {summary['seconds']:.0f} s.",
+        "",
+        "| method | settings | τ | target fwd / image | s / image | speedup vs AR | prompt fidelity | FID-style vs AR"
+        " |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        settings = ", ".join(f"{k} {v}" for k, v in r["settings"].items()) or "-"
+        fidelity = "-" if r["fidelity"] is None else f"{r['fidelity']:.3f} ± {r['fidelity_se']:.3f}"
+        fid = _cell(r["fid_vs_ar"], ".1f") + (" (AR vs AR)" if r["rule"] == "ar" and r["fid_vs_ar"] is not None else "")
+        speedup = _cell(r["speedup_vs_ar"], ".2f") + ("x" if r["speedup_vs_ar"] is not None else "")
+        lines.append(
+            f"| {r['label']} | {settings} | {r['tau']:.2f} | {r['target_forwards_per_image']:.1f} | "
+            f"{r['seconds_per_image']:.3f} | {speedup} | {fidelity} | {fid} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points not dominated in (x up, y up), sorted by x."""
     front = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
@@ -521,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="toy", help="target name (default: toy)")
     add_decoder_arguments(parser)
-    parser.add_argument("--rules", default="ar,exact,lantern,lantern++,gsd,cascade",
+    parser.add_argument("--rules", default="ar,exact,lantern,lantern++,gsd,gsd-blocks,cascade",
                         help="comma-separated methods: ar and rules, optionally labelled RULE@LABEL")  # fmt: skip
     parser.add_argument("--rule-arg", action="append", metavar="RULE.NAME=VALUE", help="set a rule field")
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out toy prompts (default 32)")
@@ -536,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     parser.add_argument("--sweep", action="store_true", help="decode a grid of rule settings (see SWEEP_GRID)")
     parser.add_argument("--sweep-grid", type=Path, help="JSON grid [{series, rule, options}] instead of SWEEP_GRID")
+    parser.add_argument("--markdown", type=Path, help="also write the table as markdown (the README's tables)")
     parser.add_argument("--count-ops", action="store_true",
                         help="count aten ops and host syncs per speculative step, per phase, for every rule and "
                         "tree kind (--tree: only that one); decodes --num-prompts prompts")  # fmt: skip
@@ -633,7 +667,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
         drafter = EagleDrafter.from_pretrained(args.drafter, target)
     try:
-        rules = build_rules(methods, target)
+        rules = build_rules(methods, target, args.drafter)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     if args.count_ops:
@@ -668,6 +702,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     }
     if args.out:
         _write_json(summary, args.out)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.markdown.with_name(args.markdown.name + ".tmp")
+        tmp.write_text(format_markdown(records, summary["command"], summary), encoding="utf-8")
+        os.replace(tmp, args.markdown)
+        print(f"wrote {args.markdown}")
     if args.sweep:
         plot = args.plot or (args.out.with_suffix(".png") if args.out else Path("pareto.png"))
         plot_sweep(records, plot, sweep_title(summary))

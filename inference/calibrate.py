@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or args.drafter / CALIBRATION_FILE
     if out.exists() and not args.overwrite:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
+    from data.prompts import toy_prompts  # as inference.bench does (issue: the toy captions move to models/)
     from inference.eagle import EagleDrafter
     from models.registry import load_target
-    from data.prompts import toy_prompts  # as inference.bench does (issue: the toy captions move to models/)
 
     target = load_target(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, out)
-    print(json.dumps({k: record[k] for k in ("target", "tau_pos", "tau_seq", "sibling_similarity", "parent_similarity")}, indent=1))
+    print(
+        json.dumps(
+            {k: record[k] for k in ("target", "tau_pos", "tau_seq", "sibling_similarity", "parent_similarity")},
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return record
 

@@ -370,7 +370,10 @@ def draft_sampled_dynamic_tree(
         if level == depth:
             break
         mask = torch.cat(
-            [anc.gather(1, parent_slot[..., None].expand(-1, -1, anc.shape[2])), _eye(batch, new_tokens.shape[1], device)],
+            [
+                anc.gather(1, parent_slot[..., None].expand(-1, -1, anc.shape[2])),
+                _eye(batch, new_tokens.shape[1], device),
+            ],
             dim=2,
         )
         rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])

@@ -13,10 +13,11 @@ target's own and can be overridden on the command line.
 
 Without `--drafter` every image token costs one target forward (AR). With `--drafter` the tree
 decoder (`inference.speculative`) drafts a tree per step and verifies it with `--rule` (exact,
-lantern, lantern++, gsd, cascade); every field of the rule's dataclass in `inference.verify` can be
-set with `--rule-arg NAME=VALUE` (repeatable). Per image it reports tau = accepted draft tokens + 1
-per target verification forward (the +1 is the bonus/correction token every forward also yields),
-target forwards (the prefill, which yields token 0, included), drafter forwards and wall time.
+lantern, lantern++, gsd, gsd-blocks, cascade, cascade-dev); every field of the rule's dataclass in
+`inference.rules` can be set with `--rule-arg NAME=VALUE` (repeatable). Per image it reports tau =
+accepted draft tokens + 1 per target verification forward (the +1 is the bonus/correction token every
+forward also yields), target forwards (the prefill, which yields token 0, included), drafter forwards
+and wall time.
 Speculative decoding runs one image per batch by default, so these are that image's own numbers.
 
 Shapes: B images, R rows (2B with CFG), G image tokens, V image vocabulary.
@@ -41,10 +42,10 @@ from PIL import Image
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
-from inference.speculative import DecoderConfig, SpeculativeGeneration, generate_speculative
+from inference.calibrate import load_calibration
 from inference.rules import RULES, GSDRule, LanternRule, Rule
-from inference.speculative import TREE_KINDS
+from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
+from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.verify import build_latent_neighbours
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -196,9 +197,13 @@ def default_lantern_k(vocab: int) -> int:
     return max(1, min(1000, vocab // 16))
 
 
-def build_rule(name: str, target: ImageTarget, options: Mapping[str, object] | None = None) -> Rule:
+def build_rule(
+    name: str, target: ImageTarget, options: Mapping[str, object] | None = None, drafter_dir: Path | None = None
+) -> Rule:
     """Verification rule `name` with its dataclass defaults, overridden by `options` (strings are parsed).
 
+    CASCADE's tau_pos / tau_seq come from `drafter_dir/cascade_calibration.json` when that file exists
+    (`inference.calibrate`; one written for another target is an error), unless `options` set them.
     LANTERN rules get the target's VQ-codebook neighbour table; their k defaults to
     `default_lantern_k(V)`, and LANTERN++ takes lam = 3.0 (the CASCADE dev baseline) unless given.
     """
@@ -208,6 +213,8 @@ def build_rule(name: str, target: ImageTarget, options: Mapping[str, object] | N
         if key not in known:
             raise ValueError(f"rule {name!r} has no field {key!r}; its fields: {', '.join(known) or 'none'}")
         values[key] = _convert(key, value, known[key]) if isinstance(value, str) else value
+    if name == "cascade":
+        values = {**load_calibration(drafter_dir, target.name), **values}
     if name == "gsd":
         return GSDRule(embeddings=_codebook(name, target), **values)  # type: ignore[arg-type]
     if name not in ("lantern", "lantern++"):
@@ -266,7 +273,9 @@ def decoder_config(args: argparse.Namespace) -> DecoderConfig:
 def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
     parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument("--tree", choices=TREE_KINDS, help="draft tree kind (default static: naive_extend_57, sampled drafts)")
+    parser.add_argument(
+        "--tree", choices=TREE_KINDS, help="draft tree kind (default static: naive_extend_57, sampled drafts)"
+    )
     parser.add_argument("--static-tree", help="static tree list name (default naive_extend_57)")
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
     parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         from inference.eagle import EagleDrafter
 
         try:
-            rule = build_rule(args.rule or "cascade", target, parse_rule_args(args.rule_arg))
+            rule = build_rule(args.rule or "cascade", target, parse_rule_args(args.rule_arg), args.drafter)
             config = decoder_config(args)
         except ValueError as error:
             raise SystemExit(str(error)) from None

@@ -122,7 +122,9 @@ class LanternRule:
         if self.reject_zeroes not in ("code", "pooled"):
             raise ValueError(f"reject_zeroes must be 'code' or 'pooled', got {self.reject_zeroes!r}")
         if self.static_zeroes not in ("q", "p"):
-            raise ValueError(f"static_zeroes must be 'q' (LlamaGen file) or 'p' (Lumina file), got {self.static_zeroes!r}")
+            raise ValueError(
+                f"static_zeroes must be 'q' (LlamaGen file) or 'p' (Lumina file), got {self.static_zeroes!r}"
+            )
         if self.lam is not None and self.lam < 1:
             raise ValueError(f"lantern++ needs lam >= 1, got {self.lam}")
         if not 0 <= self.delta <= 1:
@@ -395,11 +397,72 @@ class CascadeRule:
         return exact_residual(slot.p, slot.x, slot.q_draw)
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
-        a0, want = self.acceptance(inputs, state, slot)
-        return slot.p_x + (want if want is not None else 0.0).clamp_max(self.delta)
+        _, want = self.acceptance(inputs, state, slot)
+        return slot.p_x if want is None else slot.p_x + want.clamp_max(self.delta)
 
 
-Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule
+@dataclass
+class CascadeDevState:
+    """Per-slot inputs of the development rule, built once per verification step."""
+
+    convergence: Tensor  # (B, N, K) s where s > sim_threshold and the child is at depth >= 2, else 0
+    pairs: Tensor  # (B, N, K, K) bool: siblings whose drafter distributions have cosine > pair_threshold
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CascadeDevRule:
+    """The CASCADE development code's rule ("final cascade", commit 8c40c9c, `models/ea_model_lumina_mgpt.py`;
+    cascade.md Round 2, item 9), as a comparison: not the method, and with no TV budget.
+
+    A plain test u < p(x)/q(x) first; if it fails and p(x) lies in the nucleus of mass `nucleus` of the
+    current p, a second test with the same u after p(x) += u * S, where S = s (the cosine of the softmaxed
+    last-layer states of x's node and its parent, when s > sim_threshold and x is at depth >= 2) plus
+    p(y) for each sibling y whose drafter distribution has cosine > pair_threshold with x's. Together:
+    accept w.p. min(1, p(x) / (q(x) - S)) (1 when S >= q(x)). Pooled tokens stay in the residual, which
+    is relu(p - q).
+    """
+
+    sim_threshold: float = 0.9
+    pair_threshold: float = 0.5
+    nucleus: float = 0.8
+    name: str = "cascade-dev"
+
+    def prepare(self, inputs: TreeInputs) -> CascadeDevState:
+        if inputs.features is None:
+            raise ValueError("cascade-dev needs TargetView.features (see speculative.build_target_view)")
+        tree, children = inputs.tree, inputs.children
+        rows = torch.arange(children.shape[0], device=children.device)[:, None, None]
+        kid = children.clamp_min(0)
+        states = inputs.features.float().softmax(-1)  # (B, N, D) softmaxed last-layer states
+        states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        s = (states[rows, kid] * states[:, :, None]).sum(-1)  # (B, N, K) node vs parent
+        deep = tree.depths.gather(1, kid.flatten(1)).view_as(kid) >= 2
+        convergence = torch.where((s > self.sim_threshold) & deep & inputs.usable, s, 0.0)
+        q = tree.q_full.float()[rows, kid]  # (B, N, K, V) drafter distribution at each child
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        cosine = q @ q.transpose(-1, -2)  # (B, N, K, K)
+        width = children.shape[-1]
+        other = ~torch.eye(width, dtype=torch.bool, device=children.device)
+        pairs = (cosine > self.pair_threshold) & other & inputs.usable[:, :, None, :] & inputs.usable[..., None]
+        return CascadeDevState(convergence, pairs)
+
+    def acceptance(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        c = slot.slot
+        plain = exact_acceptance(slot)
+        pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, N)
+        total = state.convergence[:, :, c] + pooled
+        second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
+        gate = slot.p_x >= nucleus_threshold(slot.p, self.nucleus)
+        return torch.where(gate & (total > 0) & (slot.q_x > 0), torch.maximum(plain, second), plain), None
+
+    def rejection(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
+        return exact_residual(slot.p, slot.x, slot.q_draw)
+
+    def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
+        return slot.p_x
+
+
+Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule | CascadeDevRule
 
 RULES: dict[str, type] = {
     "exact": ExactRule,
@@ -408,5 +471,6 @@ RULES: dict[str, type] = {
     "gsd": GSDRule,
     "gsd-blocks": GSDBlocksRule,
     "cascade": CascadeRule,
+    "cascade-dev": CascadeDevRule,
 }
 """Every rule by its command-line name (LANTERN++ is LanternRule with lam set)."""

@@ -44,13 +44,12 @@ from inference.drafter import (
     draft_static_tree,
     to_rows,
 )
+from inference.rules import CascadeDevRule, CascadeRule, Rule
 from inference.sampling import filter_logits, guided_logits, sample_tokens, sampling_probabilities
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
-from inference.rules import CascadeRule, Rule
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
-
 
 TREE_KINDS = ("static", "dynamic", "dynamic-sampled")
 
@@ -183,6 +182,8 @@ def build_target_view(
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
         representation = {"hidden": out.hidden[: guided.shape[0]], "probs": probs}
         features = representation.get(rule.representation, filter_logits(guided, settings).nan_to_num(neginf=0.0))
+    elif isinstance(rule, CascadeDevRule):  # the development rule reads the last-layer states
+        features = out.hidden[: guided.shape[0]]
     return TargetView(probs, guided.argmax(-1) if greedy else None, features)
 
 

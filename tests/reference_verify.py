@@ -12,9 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 
 
 @dataclass
@@ -45,7 +43,9 @@ class RowTree:
         )
 
     def children(self, node: int, limit: int | None) -> list[int]:
-        return [n for n in range(len(self.tokens)) if self.parents[n] == node and (limit is None or self.depths[n] <= limit)]
+        return [
+            n for n in range(len(self.tokens)) if self.parents[n] == node and (limit is None or self.depths[n] <= limit)
+        ]
 
 
 @dataclass
@@ -68,6 +68,17 @@ def _cosine(a: list[float], b: list[float]) -> float:
     b = [v - mb for v in b]
     na, nb = math.sqrt(sum(v * v for v in a)), math.sqrt(sum(v * v for v in b))
     return sum(x * y for x, y in zip(a, b, strict=True)) / max(na * nb, 1e-16) if na and nb else 0.0
+
+
+def _cosine_plain(a: list[float], b: list[float]) -> float:
+    na, nb = math.sqrt(sum(v * v for v in a)), math.sqrt(sum(v * v for v in b))
+    return sum(x * y for x, y in zip(a, b, strict=True)) / max(na, 1e-12) / max(nb, 1e-12)
+
+
+def _softmax(a: list[float]) -> list[float]:
+    top = max(a)
+    e = [math.exp(v - top) for v in a]
+    return [v / sum(e) for v in e]
 
 
 def _kl(p: list[float], q: list[float]) -> float:
@@ -163,9 +174,8 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
         kids = row.children(u, limit)
         p = list(row.probs[u])
         q_left = list(row.q_full[u])
-        seen: list[int] = []
 
-        def usable(m: int) -> bool:
+        def usable(m: int, kids: list[int] = kids) -> bool:
             if row.sampled:
                 return row.q_cond[m] > 0
             return row.tokens[m] not in [row.tokens[k] for k in kids[: kids.index(m)]]
@@ -193,6 +203,16 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
                 budget -= grant
                 charged += grant
                 chance = min(1.0, base + grant)
+            elif isinstance(rule, CascadeDevRule):
+                chance = base
+                if q_x > 0 and _in_nucleus(p, x, rule.nucleus):
+                    total = sum(p[row.tokens[m]] for m in kids if m != n and usable(m)
+                                and _cosine_plain(row.q_full[n], row.q_full[m]) > rule.pair_threshold)  # fmt: skip
+                    s = _cosine_plain(_softmax(row.features[n]), _softmax(row.features[u]))
+                    if s > rule.sim_threshold and row.depths[n] >= 2:
+                        total += s
+                    if total > 0:
+                        chance = max(base, 1.0 if total >= q_x else min(1.0, p[x] / (q_x - total)))
             elif isinstance(rule, LanternRule):
                 mass, zap = _lantern(rule, p, x)
                 chance = min(1.0, mass / q_x)
@@ -218,7 +238,6 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
             else:
                 p = [0.0 if y in zap else v for y, v in enumerate(p)]
             p = _normalise([max(0.0, a - b) for a, b in zip(p, q_draw, strict=True)])
-            seen.append(x)
             if row.sampled:
                 q_left[x] = 0.0
         if accepted is None:
@@ -247,10 +266,8 @@ def reference_batch(tree, view, rule, uniforms, max_accept=None):
     for b in range(tree.tokens.shape[0]):
         row = RowTree.from_batch(tree, view, b)
         limit = None if max_accept is None else int(max_accept[b])
-        outcome, token = reference_verify(row, rule, uniforms.accept[b].double().tolist(), float(uniforms.bonus[b]), limit)
+        outcome, token = reference_verify(
+            row, rule, uniforms.accept[b].double().tolist(), float(uniforms.bonus[b]), limit
+        )
         out.append((outcome, token))
     return out
-
-
-def as_tensor(values) -> torch.Tensor:
-    return torch.tensor(values)

@@ -16,6 +16,7 @@ from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import build_latent_neighbours
+
 PROMPTS = ["a small red circle at the top left on a plain blue background"]
 TREES = {
     "static": DecoderConfig(tree="static", static_tree="mc_sim_7b_63"),

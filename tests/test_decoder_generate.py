@@ -14,9 +14,9 @@ from conftest import build_tiny_toy_target
 
 from inference.drafter import FixedLogitsDrafter, OracleDrafter, build_draft_attention_mask
 from inference.generate import generate_ar
+from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
-from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy_target import ToyTarget

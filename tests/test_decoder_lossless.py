@@ -120,8 +120,12 @@ def dynamic_sampled_trees(world: World, width: int = 2, top_k: int = 2, depth: i
             return
         qs = [world.at(path_tokens(parents, tokens, n))[1] for n in level_nodes]
         sorted_q = torch.stack([q.topk(top_k).values for q in qs]).float()[None]
-        counts = select_sampled_slots(torch.tensor([scores], dtype=torch.float32), sorted_q, min(width, top_k) if level == 1 else width)[0].tolist()
-        per_node = [list(draws_without_replacement(q, c)) if c else [((), [], 1.0)] for q, c in zip(qs, counts, strict=True)]
+        counts = select_sampled_slots(
+            torch.tensor([scores], dtype=torch.float32), sorted_q, min(width, top_k) if level == 1 else width
+        )[0].tolist()
+        per_node = [
+            list(draws_without_replacement(q, c)) if c else [((), [], 1.0)] for q, c in zip(qs, counts, strict=True)
+        ]
         for combo in itertools.product(*per_node):
             t, p_, c_, s_, new, pr = list(tokens), list(parents), list(conds), [], [], prob
             for n, q, (seq, cs, prb), score in zip(level_nodes, qs, combo, scores, strict=True):
@@ -208,7 +212,9 @@ def step_distribution(world: World, tree: Tree, view: TargetView, weights: torch
     made = ~torch.isnan(verdict.accept_prob)  # (rows, depth, width)
     chance = verdict.accept_prob.double().nan_to_num(0.0)
     factor = torch.where(forced == 0.0, chance, 1 - chance)
-    prob = torch.where(made, factor, 0.5).flatten(1).prod(-1) * tile(weights)  # patterns differing only off the walk share
+    prob = torch.where(made, factor, 0.5).flatten(1).prod(-1) * tile(
+        weights
+    )  # patterns differing only off the walk share
     by_prefix: dict = {}  # output prefix (accepted drafts) -> summed mass of each correction/bonus token
     rows = torch.nonzero(prob > 0).flatten()
     walks = big.paths[rows, verdict.last_node[rows]]  # (rows, P)

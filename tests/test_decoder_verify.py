@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_verify import reference_batch
 
-from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.tree import StaticTreeSpec, Tree, gumbel_topk
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
@@ -72,6 +72,8 @@ def all_rules(vocab: int, seed: int = 0) -> list:
         CascadeRule(delta=0.5, conf_gate=0.8, kl_gate=4.0, **loose),
         CascadeRule(delta=0.5, pool_beyond_tree=True, **loose),
         CascadeRule(delta=0.3, conv_mode="path", pool_beyond_tree=True, **loose),
+        CascadeDevRule(),
+        CascadeDevRule(sim_threshold=0.1, pair_threshold=0.2, nucleus=0.95),
     ]
 
 
@@ -90,7 +92,9 @@ def test_vectorised_verify_equals_the_textbook_loop(sampled):
                 assert int(verdict.num_accepted[b]) == outcome.accepted
                 assert int(verdict.next_token[b]) == token
                 assert float(verdict.tv_charged[b]) == pytest.approx(outcome.charged, abs=1e-5)
-                assert torch.allclose(verdict.final_probs[b].double(), torch.tensor(outcome.final, dtype=torch.float64), atol=1e-5)
+                assert torch.allclose(
+                    verdict.final_probs[b].double(), torch.tensor(outcome.final, dtype=torch.float64), atol=1e-5
+                )
                 made = [(d, c, float(verdict.accept_prob[b, d, c])) for d, c in zip(*torch.where(
                     ~torch.isnan(verdict.accept_prob[b])), strict=True)]  # fmt: skip
                 assert [(int(d), int(c)) for d, c, _ in made] == [(d, c) for d, c, _ in outcome.tests]
@@ -200,3 +204,19 @@ def test_rules_reject_bad_settings():
         CascadeRule(delta=1.5)
     with pytest.raises(ValueError, match="static_zeroes"):
         LanternRule(neighbours=torch.zeros(3, 3, dtype=torch.long), k=1, static_zeroes="x")
+
+
+def test_cascade_dev_follows_the_development_code_by_hand():
+    # Dev commit 8c40c9c, ea_model_lumina_mgpt.py: x = 2 (p 0.2) and its sibling y = 3 (p 0.25) at the root,
+    # deterministic drafts (q(x) = 1), drafter distributions at both children identical (cosine 1 > 0.5).
+    # The 0.8 nucleus of P_ROOT holds 0 (0.4), 3 (0.25) and 2 (0.2, mass before it 0.65 < 0.8): x may be relaxed.
+    # At depth 1 the state-convergence term is off (depth >= 2), so S = p(3) = 0.25 and x is accepted
+    # w.p. min(1, p(x) / (q(x) - S)) = 0.2 / 0.75 = 0.2667; token 1 (p 0.1) lies outside the nucleus: plain p(1).
+    probs = torch.tensor([P_ROOT, [0.2] * 5, [0.2] * 5])
+    q_full = torch.tensor([[0.2] * 5, [0.1, 0.2, 0.3, 0.2, 0.2], [0.1, 0.2, 0.3, 0.2, 0.2]])
+    for first, expected in ((2, 0.2 / 0.75), (1, 0.1)):
+        tree = Tree(torch.tensor([[0, first, 3]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
+                    torch.ones(1, 3), q_full[None], False, 1, 2)  # fmt: skip
+        view = TargetView(probs[None], probs.argmax(-1)[None], torch.randn(1, 3, 4))
+        verdict = verify(tree, view, CascadeDevRule(), Uniforms(torch.ones(1, 1, 2), torch.zeros(1)))
+        assert float(verdict.accept_prob[0, 0, 0]) == pytest.approx(expected)

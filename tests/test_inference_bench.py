@@ -30,7 +30,8 @@ def drafter(tmp_path, monkeypatch):
 def test_bench_reports_tau_forwards_speed_quality_and_time_split(drafter, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--rules", "ar,exact,cascade", "--num-prompts", "2"]
-    records = main(argv + ["--out", str(out), "--rule-arg", "cascade.delta=0.4", *TREE])
+    markdown = tmp_path / "table.md"
+    records = main(argv + ["--out", str(out), "--markdown", str(markdown), "--rule-arg", "cascade.delta=0.4", *TREE])
     summary = json.loads(out.read_text())
     assert [r["label"] for r in summary["records"]] == ["ar", "exact", "cascade"] == [r["label"] for r in records]
     assert summary["num_prompts"] == 2 and "bonus" in summary["tau_definition"] and "noise floor" in summary["fid_note"]
@@ -48,8 +49,21 @@ def test_bench_reports_tau_forwards_speed_quality_and_time_split(drafter, tmp_pa
         assert 0.0 <= r["fidelity"] <= 1.0 and r["fidelity_se"] >= 0.0
         assert r["fid_vs_ar"] is None or r["fid_vs_ar"] >= 0.0
     assert exact["tv_charged_per_step"] == 0.0 and cascade["tv_charged_per_step"] <= 0.4 + 1e-6
+    written = markdown.read_text()
+    assert "python -m inference.bench" in written and "--rule-arg cascade.delta=0.4" in written
+    assert written.count("\n| ") == 4 and "| cascade | delta 0.4" in written  # header + 3 methods, settings shown
     table = capsys.readouterr().out
     assert "tau" in table and "speedup" in table and "verify share" in table and "cascade" in table
+
+
+def test_count_ops_reports_one_host_read_per_step_for_every_rule_and_tree(drafter, capsys):
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--rules", "exact,cascade,gsd-blocks", "--count-ops"]
+    rows = main([*argv, "--num-prompts", "1"])
+    assert {(r["tree"], r["rule"]) for r in rows} == {
+        (t, r) for t in ("static", "dynamic", "dynamic-sampled") for r in ("exact", "cascade", "gsd-blocks")
+    }
+    assert all(r["syncs_per_step"] <= 1.0 and r["ops"]["target"] > 0 for r in rows)
+    assert "syncs/step" in capsys.readouterr().out
 
 
 def test_sweep_writes_a_pareto_plot_and_its_points(drafter, tmp_path):

@@ -48,7 +48,7 @@ class DecodeValidation(Callback):
     """Decode held-out prompts with the current drafter at validation; log tau per rule, fidelity and a grid.
 
     Args:
-        rules: verification rules to run (exact, cascade, gsd, lantern, lantern++; `inference.generate.build_rule`).
+        rules: verification rules to run (`inference.rules.RULES`; built by `inference.generate.build_rule`).
         num_prompts: K held-out prompts per evaluation, split across ranks.
         every_n_validations: run at every n-th validation (0 = off); always after the last training step.
         tree: "static" (naive_extend_57, sampled drafts: the decoder's default), "dynamic" (EAGLE-2:
