@@ -21,7 +21,7 @@ One table, one row per method:
 - where the time of a step goes: the rule (`inference.verify.verify`), the target forward over the
   tree, drafting, and building the target view (CFG, softmax), in ms per verification step, and the
   rule's share of the step. They are timed by wrappers installed around those functions for the run
-  (`StepTimer`; on CUDA each wrapper synchronises, which perturbs the timing a little).
+  (`StepTimer`, the decode loop's phase hooks; on CUDA each phase synchronises, which perturbs the timing a little).
 
 `--sweep` decodes the prompts with a grid of rule settings instead (CASCADE's delta and thresholds,
 LANTERN's delta, LANTERN++'s lambda, GSD's group size; `SWEEP_GRID`, or `--sweep-grid FILE.json`)
@@ -45,13 +45,14 @@ Shapes: N prompts, G image tokens, H x W x 3 images.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,6 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-import inference.speculative as speculative
 from inference.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -72,7 +72,7 @@ from inference.generate import (
     read_prompt_lines,
     rule_settings,
 )
-from inference.speculative import TREE_KINDS, DecoderConfig, generate_speculative
+from inference.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -84,9 +84,10 @@ FID_NOTE = (
     "so compare rows of one run only; the AR row is the distance between two independent AR draws (noise floor)"
 )
 TIMING_NOTE = (
-    "ms per verification step inside the decoder, timed with perf_counter around inference.verify.verify "
-    "(the rule), the target forward over the tree, drafting (inference.speculative._draft) and build_target_view; "
-    "AR: per generated token; verify_share = verify time / wall time per step"
+    "ms per verification step inside the decoder, timed with perf_counter through the decode loop's phase hooks: "
+    "draft (drafter reads the path and drafts the tree), target (forward over the tree), view (CFG, softmax), "
+    "verify (the rule), commit (KV commit, bookkeeping, the step's host read); AR: per generated token; "
+    "verify_share = verify time / wall time per step"
 )
 
 SweepPoint = tuple[str, str, dict[str, object]]  # (series, rule, options)
@@ -142,50 +143,32 @@ class Tally:
     timings: dict[str, float] = field(default_factory=dict)  # part -> seconds
 
 
-class StepTimer:
-    """Seconds spent in the tree decoder's parts and in target forwards, while installed (`with timer:`).
-
-    Wraps `inference.speculative.{verify, build_target_view, _draft}` (looked up as module globals at
-    call time) and the target's `forward` method (an instance attribute, removed again on exit).
-    """
-
-    PARTS = {"verify": "verify", "view": "build_target_view", "draft": "_draft"}
+class StepTimer(DecodeHooks):
+    """Seconds spent in each phase of the decode loop (draft, target, view, verify, commit), through the
+    decoder's own hooks (`inference.speculative.DecodeHooks`); AR decodes count as "target" time."""
 
     def __init__(self, target: ImageTarget) -> None:
-        self.target = target
         self.seconds: dict[str, float] = {}
         cuda = target.device.type == "cuda"
         self._sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
-        self._saved: dict[str, Any] = {}
 
-    def _timed(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
             self._sync()
-            started = time.perf_counter()
-            out = function(*args, **kwargs)
-            self._sync()
-            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - started
-            return out
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
-        return wrapper
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def take(self) -> dict[str, float]:
         """The seconds gathered since the last call, then zeroed."""
         taken, self.seconds = self.seconds, {}
         return taken
-
-    def __enter__(self) -> StepTimer:
-        for part, attribute in self.PARTS.items():
-            self._saved[attribute] = getattr(speculative, attribute)
-            setattr(speculative, attribute, self._timed(part, self._saved[attribute]))
-        self.target.forward = self._timed("target", self.target.forward)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for attribute, function in self._saved.items():
-            setattr(speculative, attribute, function)
-        del self.target.forward  # back to the class's method
-        self._saved.clear()
 
 
 def parse_methods(rules: str, rule_args: Sequence[str] | None) -> list[Method]:
@@ -244,15 +227,17 @@ def _decode_one(
     settings: SamplingDefaults,
     config: DecoderConfig,
     seed: int,
+    timer: StepTimer,
 ) -> tuple[Tensor, dict[str, float]]:
-    """One image: tokens (G,) and its costs."""
+    """One image: tokens (G,) and its costs; the time of each decode phase goes to `timer`."""
     generator = torch.Generator(device=target.device).manual_seed(seed)
     if rule is None:
         result = generate_ar(target, [prompt], settings, generator)
+        timer.add("target", result.seconds)
         steps = result.target_forwards - 1
         return result.tokens[0], {"steps": steps, "plus_one": float(steps), "target": result.target_forwards,
                                   "drafter": 0, "seconds": result.seconds, "tv": 0.0}  # fmt: skip
-    spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator)
+    spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=timer)
     accepted = spec.accepted[:, 0]
     accepted = accepted[accepted >= 0]
     return spec.tokens[0], {
@@ -287,29 +272,29 @@ def run_methods(
         raise ValueError("speculative rules need a drafter (--drafter)")
     tallies = {m.label: Tally() for m in methods}
     floor: list[Tensor] = []
-    with StepTimer(target) as timer:
-        if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
-            for m in methods:
-                _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1)
+    timer = StepTimer(target)
+    if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
+        for m in methods:
+            _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1, timer)
+        timer.take()
+    for i, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, file=sys.stderr)):
+        shift = i % len(methods)
+        for m in [*methods[shift:], *methods[:shift]]:
+            tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i, timer)
+            tally = tallies[m.label]
+            tally.tokens.append(tokens.cpu())
+            tally.steps += int(cost["steps"])
+            tally.tokens_per_step += cost["plus_one"]
+            tally.target_forwards.append(int(cost["target"]))
+            tally.drafter_forwards.append(int(cost["drafter"]))
+            tally.seconds.append(cost["seconds"])
+            tally.tv_charged += cost["tv"]
+            for part, seconds in timer.take().items():
+                tally.timings[part] = tally.timings.get(part, 0.0) + seconds
+        if second_ar_draw:
+            generator = torch.Generator(device=target.device).manual_seed(1_000_003 + seed + i)
+            floor.append(generate_ar(target, [prompt], settings, generator).tokens[0].cpu())
             timer.take()
-        for i, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, file=sys.stderr)):
-            shift = i % len(methods)
-            for m in [*methods[shift:], *methods[:shift]]:
-                tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i)
-                tally = tallies[m.label]
-                tally.tokens.append(tokens.cpu())
-                tally.steps += int(cost["steps"])
-                tally.tokens_per_step += cost["plus_one"]
-                tally.target_forwards.append(int(cost["target"]))
-                tally.drafter_forwards.append(int(cost["drafter"]))
-                tally.seconds.append(cost["seconds"])
-                tally.tv_charged += cost["tv"]
-                for part, seconds in timer.take().items():
-                    tally.timings[part] = tally.timings.get(part, 0.0) + seconds
-            if second_ar_draw:
-                generator = torch.Generator(device=target.device).manual_seed(1_000_003 + seed + i)
-                floor.append(generate_ar(target, [prompt], settings, generator).tokens[0].cpu())
-                timer.take()
     return tallies, floor
 
 

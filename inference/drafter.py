@@ -183,7 +183,7 @@ def draft_static_tree(
     """
     batch, vocab = root_q.shape
     device = root_q.device
-    num_nodes, parents = spec.num_nodes, spec.parents
+    num_nodes = spec.num_nodes
     if spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
     tokens = torch.zeros(batch, num_nodes, dtype=torch.long, device=device)
@@ -191,35 +191,25 @@ def draft_static_tree(
     q_cond = torch.ones(batch, num_nodes, device=device)
     q_full = torch.zeros(batch, num_nodes, vocab, device=device)
     q_full[:, 0] = root_q
-    anc = spec.ancestors.to(device)  # (N, N)
-    expanded, level_q, level_hidden = [0], root_q[:, None], root_hidden[:, None]  # level d-1 state
-    run_columns: list[int] = []  # draft-cache column j holds node run_columns[j]
+    level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
     tree_start = ctx.cache.length
-    for depth in range(1, spec.max_depth + 1):
-        nodes = spec.level(depth)
-        slot = {node: i for i, node in enumerate(expanded)}
-        parent_slot = [slot[parents[n]] for n in nodes]
-        rank = torch.tensor([spec.ranks[n] for n in nodes], device=device)
-        width = max(spec.ranks[n] for n in nodes) + 1
+    for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
-            draws, probs = level_q.topk(width, dim=-1).indices, torch.ones(level_q.shape[:-1] + (width,), device=device)
+            draws = level_q.topk(level.width, dim=-1).indices
+            probs = torch.ones(level_q.shape[:-1] + (level.width,), device=device)
         else:
-            draws, probs = gumbel_topk(level_q, width, generator)  # (B, W_prev, width)
-        tokens[:, nodes] = draws[:, parent_slot, rank]
-        q_cond[:, nodes] = probs[:, parent_slot, rank].float()
+            draws, probs = gumbel_topk(level_q, level.width, generator)  # (B, W_prev, width)
+        tokens[:, level.nodes] = draws[:, level.parent_slot, level.rank]
+        q_cond[:, level.nodes] = probs[:, level.parent_slot, level.rank].float()
         if depth == spec.max_depth:
             break
-        next_expanded = spec.expanded(depth)
-        hidden_slot = [slot[parents[n]] for n in next_expanded]
-        run_columns += next_expanded
-        mask = anc[next_expanded][:, run_columns].expand(batch, -1, -1)  # (B, W, J + W)
+        mask = level.mask.expand(batch, -1, -1)  # (B, W, J + W)
         level_q, level_hidden = ctx.run_level(
-            level_hidden[:, hidden_slot], tokens[:, next_expanded], depth, tree_start, mask
+            level_hidden[:, level.hidden_slot], tokens[:, level.expanded], depth, tree_start, mask
         )
-        q_full[:, next_expanded] = level_q
-        expanded = next_expanded
+        q_full[:, level.expanded] = level_q
     depths = torch.tensor(spec.depths, device=device).expand(batch, -1)
-    parents_t = torch.tensor(parents, device=device).expand(batch, -1)
+    parents_t = torch.tensor(spec.parents, device=device).expand(batch, -1)
     return Tree(
         tokens,
         parents_t,

@@ -59,7 +59,7 @@ class DecoderConfig:
     """The draft tree of the tree decoder."""
 
     tree: str = "static"
-    """"static" (EAGLE-1 list, drafts sampled from q; the default: on the toy target it accepts 2.8x the
+    """"static" (EAGLE-1 list, drafts sampled from q; the default: on the toy target it accepts 2.5x the
     tokens per target forward of "dynamic", README), "dynamic" (EAGLE-2, deterministic top-k drafts) or
     "dynamic-sampled" (EAGLE-2 expansion, children drawn from q: `draft_sampled_dynamic_tree`)."""
     static_tree: str | tuple[tuple[int, ...], ...] = "naive_extend_57"

@@ -19,6 +19,7 @@ V vocabulary, K top-k / children per node, M dynamic-tree candidates, P path len
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -80,6 +81,19 @@ class Tree:
 
 
 @dataclass(frozen=True)
+class LevelPlan:
+    """One level of a static tree as index tensors (`StaticTreeSpec.plan`)."""
+
+    nodes: Tensor  # (L,) node indices of the level
+    parent_slot: Tensor  # (L,) each node's parent among the previous level's expanded nodes
+    rank: Tensor  # (L,) which draw of its parent each node takes
+    width: int  # draws per parent
+    expanded: Tensor  # (W,) nodes of this level that have children (the drafter runs on them)
+    hidden_slot: Tensor  # (W,) their parents' slots
+    mask: Tensor  # (W, J + W) bool: draft columns each expanded node attends to
+
+
+@dataclass(frozen=True)
 class StaticTreeSpec:
     """The fixed shape of a static (EAGLE-1) tree, from a list of child-index paths."""
 
@@ -133,6 +147,31 @@ class StaticTreeSpec:
     def ancestors(self) -> Tensor:
         """(N, N) bool ancestor-or-self mask of the shape, built once (on the CPU)."""
         return ancestor_mask(torch.tensor([self.parents]), self.max_depth)[0]
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
+    def plan(self, device: torch.device) -> list[LevelPlan]:
+        """Index tensors of every level on `device`, built once, so drafting makes no host lists per step."""
+        plans, expanded, run_columns = [], [0], []
+        for depth in range(1, self.max_depth + 1):
+            nodes = self.level(depth)
+            slot = {node: i for i, node in enumerate(expanded)}
+            next_expanded = self.expanded(depth) if depth < self.max_depth else []
+            run_columns = run_columns + next_expanded
+            plans.append(
+                LevelPlan(
+                    nodes=torch.tensor(nodes, device=device),
+                    parent_slot=torch.tensor([slot[self.parents[n]] for n in nodes], device=device),
+                    rank=torch.tensor([self.ranks[n] for n in nodes], device=device),
+                    width=max(self.ranks[n] for n in nodes) + 1,
+                    expanded=torch.tensor(next_expanded, dtype=torch.long, device=device),
+                    hidden_slot=torch.tensor(
+                        [slot[self.parents[n]] for n in next_expanded], dtype=torch.long, device=device
+                    ),  # fmt: skip
+                    mask=self.ancestors[next_expanded][:, run_columns].to(device),
+                )
+            )
+            expanded = next_expanded
+        return plans
 
     def expanded(self, depth: int) -> list[int]:
         """Nodes at `depth` that have children: the ones the drafter must run on."""

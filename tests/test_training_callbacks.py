@@ -69,3 +69,10 @@ def test_decode_validation_can_be_switched_off(tiny_dataset, tmp_path):
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     assert not [tag for tag in events.Tags()["scalars"] if tag.startswith("decode/")]
+
+
+def test_decode_validation_checks_its_rules_and_tree_when_built():
+    with pytest.raises(ValueError, match="unknown; known rules: exact"):
+        DecodeValidation(rules=["exact", "casacde"])
+    with pytest.raises(ValueError, match="tree must be one of static"):
+        DecodeValidation(tree="sampled")

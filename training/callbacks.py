@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback
 
 from inference.eagle import EagleDrafter
 from inference.generate import build_rule, generate_ar, image_grid
+from inference.rules import RULES
 from inference.speculative import DecoderConfig, generate_speculative
 from models.target import ImageTarget
 
@@ -72,6 +73,9 @@ class DecodeValidation(Callback):
     ) -> None:
         super().__init__()
         self.rules = list(rules or ["exact", "cascade"])
+        unknown = [name for name in self.rules if name not in RULES]
+        if unknown:  # checked when the run starts, not after its first training interval
+            raise ValueError(f"DecodeValidation rules {unknown} are unknown; known rules: {', '.join(RULES)}")
         self.num_prompts = num_prompts
         self.every_n_validations = every_n_validations
         self.decoder = DecoderConfig(tree=tree, top_k=top_k, depth=depth, total_tokens=total_tokens)
