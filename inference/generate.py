@@ -267,6 +267,13 @@ def decoder_config(args: argparse.Namespace) -> DecoderConfig:
         "depth": args.tree_depth,
         "total_tokens": args.tree_total,
     }
+    kind = args.tree or DecoderConfig.tree
+    dynamic_only = [f"--tree-{k.replace('_tokens', '').replace('_', '-')}" for k in ("top_k", "depth", "total_tokens")
+                    if given[k] is not None]  # fmt: skip
+    if kind == "static" and dynamic_only:
+        raise ValueError(f"{', '.join(dynamic_only)} shape the dynamic trees; add --tree dynamic or dynamic-sampled")
+    if kind != "static" and args.static_tree is not None:
+        raise ValueError(f"--static-tree names a static list; it does nothing with --tree {kind}")
     return DecoderConfig(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
 
 

@@ -94,3 +94,20 @@ def test_build_rule_parses_every_field_type(tiny_target):
     assert build_rule("lantern++", tiny_target).lam == 3.0
     assert build_rule("gsd-blocks", tiny_target, {"group": "7"}).group == 7
     assert build_rule("gsd", tiny_target, {"window": "6"}).window == 6
+
+
+def test_tree_options_must_fit_the_tree_kind():
+    from argparse import Namespace
+
+    from inference.generate import decoder_config
+
+    def args(**given):
+        base = dict(tree=None, static_tree=None, tree_top_k=None, tree_depth=None, tree_total=None)
+        return Namespace(**{**base, **given})
+
+    assert decoder_config(args()).tree == "static"
+    with pytest.raises(ValueError, match="--tree-depth shape the dynamic trees"):
+        decoder_config(args(tree_depth=3))
+    with pytest.raises(ValueError, match="--static-tree names a static list"):
+        decoder_config(args(tree="dynamic", static_tree="mc_sim_7b_63"))
+    assert decoder_config(args(tree="dynamic-sampled", tree_depth=3, tree_total=10)).depth == 3
