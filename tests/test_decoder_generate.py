@@ -11,8 +11,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import build_tiny_toy_target
+from stub_drafters import FixedLogitsDrafter, OracleDrafter
 
-from inference.drafter import FixedLogitsDrafter, OracleDrafter, build_draft_attention_mask
+from inference.drafter import build_draft_attention_mask
 from inference.generate import generate_ar
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.speculative import DecoderConfig, generate_speculative

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import depths_of, path_to, prefilled, tree_mask_of
+from stub_drafters import OracleDrafter
 
-from inference.drafter import OracleDrafter
 from inference.eagle import EagleDrafter
 from inference.generate import generate_ar
 from inference.sampling import combine_cfg
