@@ -238,15 +238,14 @@ def _decode_one(
         return result.tokens[0], {"steps": steps, "plus_one": float(steps), "target": result.target_forwards,
                                   "drafter": 0, "seconds": result.seconds, "tv": 0.0}  # fmt: skip
     spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=timer)
-    accepted = spec.accepted[:, 0]
-    accepted = accepted[accepted >= 0]
+    steps, plus_one = spec.tally(0)
     return spec.tokens[0], {
-        "steps": int(accepted.numel()),
-        "plus_one": float((accepted + 1).sum()),
+        "steps": steps,
+        "plus_one": plus_one,
         "target": spec.target_forwards,
         "drafter": spec.drafter_forwards,
         "seconds": spec.seconds,
-        "tv": spec.tv_charged * int(accepted.numel()),
+        "tv": spec.tv_charged * steps,
     }
 
 

@@ -246,12 +246,11 @@ def rule_settings(rule: Rule) -> dict[str, object]:
 
 def image_statistics(result: SpeculativeGeneration, column: int, batch: int) -> dict[str, float | int]:
     """Per-image numbers of one speculative batch: tau, target forwards while it decoded, drafter forwards, s."""
-    accepted = result.accepted[:, column]
-    steps = accepted[accepted >= 0]
+    steps, plus_one = result.tally(column)
     return {
-        "tau": float((steps + 1).float().mean()),
-        "verification_steps": int(steps.numel()),
-        "target_forwards": 1 + int(steps.numel()),
+        "tau": plus_one / steps,
+        "verification_steps": steps,
+        "target_forwards": 1 + steps,
         "drafter_forwards": result.drafter_forwards,  # of the whole batch (batch size 1: this image's)
         "seconds": result.seconds / batch,
         "tv_charged_per_step": result.tv_charged,

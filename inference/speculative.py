@@ -115,6 +115,17 @@ class SpeculativeGeneration:
     tv_charged: float  # CASCADE: mean TV budget spent per verification step (0 for other rules)
     seconds: float
 
+    def tally(self, column: int | None = None) -> tuple[int, float]:
+        """(verification steps, sum over them of accepted drafts + 1), of one image or of all: tau = sum / steps."""
+        return acceptance_tally(self.accepted if column is None else self.accepted[:, column])
+
+
+def acceptance_tally(accepted: Tensor) -> tuple[int, float]:
+    """The one tau tally: `accepted` (steps, ...) with -1 once an image was complete ->
+    (verification steps, sum over steps of accepted drafts + 1, the +1 being each forward's bonus token)."""
+    steps = accepted[accepted >= 0]
+    return int(steps.numel()), float((steps + 1).sum())
+
 
 class DecodeHooks:
     """What the decode loop tells an observer: the phase it is in, and every verification it made.
@@ -363,10 +374,10 @@ def generate_speculative(
             charged += verdict.tv_charged.mean()
             done = least >= num_tokens
     accepted = torch.stack(accepted_log)  # (steps, B)
-    tau = (accepted[accepted >= 0] + 1).float().mean()
+    steps, plus_one = acceptance_tally(accepted)
     return SpeculativeGeneration(
         tokens=tokens[:, :num_tokens],
-        tau=float(tau),
+        tau=plus_one / steps,
         accepted=accepted,
         target_forwards=1 + len(accepted_log),
         drafter_forwards=drafter_forwards,

@@ -116,9 +116,9 @@ class DecodeValidation(Callback):
                     result = generate_speculative(
                         target, drafter, mine, rule, self.decoder, generator=self._generator(target, rank)
                     )
-                    accepted = result.accepted[result.accepted >= 0]
-                    sums[f"tau_{name}"] = float((accepted + 1).sum())
-                    sums[f"steps_{name}"] = float(accepted.numel())
+                    steps, plus_one = result.tally()
+                    sums[f"tau_{name}"] = plus_one
+                    sums[f"steps_{name}"] = float(steps)
                     sums[f"target_forwards_{name}"] = float(result.target_forwards) * len(mine)
                     images.append(target.decode_images(result.tokens))
             captions = mine
