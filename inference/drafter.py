@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from inference.sampling import filter_logits, guided_logits
+from inference.sampling import processed_distribution
 from inference.tree import (
     StaticTreeSpec,
     Tree,
@@ -123,10 +123,7 @@ def draft_distribution(
     target's `constrain_logits`, then temperature, top-k, top-p. Greedy settings (temperature 0) keep
     the logits unscaled, so q still ranks the candidates.
     """
-    guided = guided_logits(logits, settings, cfg)
-    if target is not None and token_index is not None:
-        guided = target.constrain_logits(guided, token_index)
-    return filter_logits(guided, settings).float().softmax(-1)
+    return processed_distribution(logits, settings, cfg, target, token_index)[1]
 
 
 @dataclass

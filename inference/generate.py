@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from inference.calibrate import load_calibration
 from inference.rules import RULES, GSDRule, LanternRule, Rule
-from inference.sampling import draw_tokens, guided_logits, sampling_probabilities
+from inference.sampling import draw_tokens, processed_distribution
 from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.verify import build_latent_neighbours
 from models.registry import load_target
@@ -98,9 +98,8 @@ def generate_ar(
     entropy = torch.zeros((), device=logits.device)
     top1 = torch.zeros((), device=logits.device)
     for index in tqdm(range(num_tokens), desc="image tokens", disable=not progress, leave=False):
-        guided = guided_logits(logits, settings, cfg)  # (B, V)
-        guided = target.constrain_logits(guided, torch.full((len(prompts),), index, device=guided.device))
-        probabilities = sampling_probabilities(guided, settings)
+        predicted = torch.full((len(prompts),), index, device=logits.device)
+        _, probabilities = processed_distribution(logits, settings, cfg, target, predicted, one_hot_greedy=True)
         entropy += -(probabilities * probabilities.clamp_min(1e-30).log()).sum(-1).mean()
         top1 += probabilities.max(-1).values.mean()
         tokens[:, index] = draw_tokens(probabilities, settings, generator)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.target import SamplingDefaults
+from models.target import ImageTarget, SamplingDefaults
 
 
 def combine_cfg(logits: Tensor, scale: float) -> Tensor:
@@ -52,6 +52,30 @@ def sampling_probabilities(logits: Tensor, settings: SamplingDefaults) -> Tensor
     if settings.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
     return filter_logits(logits, settings).softmax(-1)
+
+
+def processed_distribution(
+    logits: Tensor,
+    settings: SamplingDefaults,
+    cfg: bool,
+    target: ImageTarget | None = None,
+    token_index: Tensor | None = None,
+    one_hot_greedy: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The one logits chain of AR sampling, drafting and verification: (R, ..., V) -> guided (B, ..., V), probs.
+
+    CFG over [cond; uncond] rows, then (given `target` and `token_index` (B, ...), the image index each
+    position predicts) the target's layout rule `constrain_logits`, then in fp32 temperature, top-k,
+    top-p and softmax. Greedy settings (temperature 0) keep the logits unscaled, so the distribution still
+    ranks the tokens, or with `one_hot_greedy` put all mass on the argmax (what AR sampling draws from).
+    """
+    guided = guided_logits(logits, settings, cfg)
+    if target is not None and token_index is not None:
+        guided = target.constrain_logits(guided, token_index)
+    guided = guided.float()
+    if one_hot_greedy:
+        return guided, sampling_probabilities(guided, settings)
+    return guided, filter_logits(guided, settings).softmax(-1)
 
 
 def draw_tokens(probabilities: Tensor, settings: SamplingDefaults, generator: torch.Generator | None) -> Tensor:

@@ -45,7 +45,7 @@ from inference.drafter import (
     to_rows,
 )
 from inference.rules import CascadeDevRule, CascadeRule, Rule
-from inference.sampling import filter_logits, guided_logits, sample_tokens, sampling_probabilities
+from inference.sampling import draw_tokens, filter_logits, processed_distribution
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -184,11 +184,7 @@ def build_target_view(
     Given `target` and `token_index` (B, N), the image index each node predicts, the target's
     `constrain_logits` is applied right after CFG.
     """
-    guided = guided_logits(out.logits, settings, cfg)  # (B, N, V)
-    if target is not None and token_index is not None:
-        guided = target.constrain_logits(guided, token_index)
-    guided = guided.float()
-    probs = filter_logits(guided, settings).softmax(-1) if greedy else sampling_probabilities(guided, settings)
+    guided, probs = processed_distribution(out.logits, settings, cfg, target, token_index)  # (B, N, V) each
     features = None
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
         representation = {"hidden": out.hidden[: guided.shape[0]], "probs": probs}
@@ -305,11 +301,11 @@ def generate_speculative(
     use_aux = drafter.feature_source == "aux"
     prefix = target.prefill(conditioning, target_cache, return_aux=use_aux)
     drafter.prefill(conditioning, prefix, drafter_cache)
-    first_logits = guided_logits(prefix.logits[:, -1], settings, cfg)  # (B, V): predicts token 0
-    first_logits = target.constrain_logits(
-        first_logits, torch.zeros(batch, dtype=torch.long, device=first_logits.device)
+    token_zero = torch.zeros(batch, dtype=torch.long, device=prefix.logits.device)
+    _, first_probs = processed_distribution(
+        prefix.logits[:, -1], settings, cfg, target, token_zero, one_hot_greedy=True
     )
-    first = sample_tokens(first_logits, settings, generator)  # (B,) token 0
+    first = draw_tokens(first_probs, settings, generator)  # (B,) token 0
     tokens = torch.zeros(batch, num_tokens + width_max, dtype=torch.long, device=first.device)
     tokens[:, 0] = first
     count = torch.ones(batch, dtype=torch.long, device=first.device)  # tokens generated so far
