@@ -63,7 +63,7 @@ from data.shards import (
     validate_dataset,
     write_atomic,
 )
-from inference.generate import generate_ar
+from inference.autoregressive import generate_ar
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
 

@@ -62,13 +62,13 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.autoregressive import generate_ar
 from inference.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
     add_decoder_arguments,
     build_rule,
     decoder_config,
-    generate_ar,
     read_prompt_lines,
     rule_settings,
 )

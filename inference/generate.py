@@ -30,10 +30,8 @@ import dataclasses
 import json
 import math
 import os
-import time
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +40,13 @@ from PIL import Image
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.autoregressive import generate_ar
 from inference.calibrate import load_calibration
 from inference.rules import RULES, GSDRule, LanternRule, Rule
-from inference.sampling import draw_tokens, processed_distribution
 from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.verify import build_latent_neighbours
 from models.registry import load_target
-from models.target import ImageTarget, SamplingDefaults
+from models.target import ImageTarget
 
 RULE_CLASSES: dict[str, type] = RULES
 TAU_DEFINITION = (
@@ -56,65 +54,6 @@ TAU_DEFINITION = (
     "each forward also yields); target_forwards counts the prefill (which yields image token 0) too"
 )
 _NOT_SETTABLE = {"name", "neighbours", "embeddings"}  # fixed by the rule's name / built from the target's codebook
-
-
-@dataclass
-class Generation:
-    """Tokens of B generated images and what producing them cost."""
-
-    tokens: Tensor  # (B, G) int64
-    target_forwards: int  # target calls, prefill included
-    seconds: float
-    mean_entropy: float  # nats, of the distribution each token was drawn from
-    mean_top1: float  # probability of that distribution's most likely token
-
-
-@torch.no_grad()
-def generate_ar(
-    target: ImageTarget,
-    prompts: list[str],
-    settings: SamplingDefaults | None = None,
-    generator: torch.Generator | None = None,
-    progress: bool = False,
-) -> Generation:
-    """Sample one image per prompt, token by token, with a KV cache.
-
-    Args:
-        target: the model.
-        prompts: B prompts.
-        settings: sampling settings; None means the target's defaults. CFG rows are added when
-            `cfg_scale != 1`.
-        generator: source of randomness (seeded by the caller).
-        progress: show a progress bar over image tokens.
-    """
-    settings = settings or target.sampling
-    cfg = settings.cfg_scale != 1.0
-    started = time.perf_counter()
-    num_tokens = target.geometry.num_tokens
-    conditioning = target.condition(prompts, cfg=cfg)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + num_tokens)
-    logits = target.prefill(conditioning, cache).logits[:, -1]  # (R, V): predicts image token 0
-    tokens = torch.empty(len(prompts), num_tokens, dtype=torch.long, device=logits.device)
-    entropy = torch.zeros((), device=logits.device)
-    top1 = torch.zeros((), device=logits.device)
-    for index in tqdm(range(num_tokens), desc="image tokens", disable=not progress, leave=False):
-        predicted = torch.full((len(prompts),), index, device=logits.device)
-        _, probabilities = processed_distribution(logits, settings, cfg, target, predicted, one_hot_greedy=True)
-        entropy += -(probabilities * probabilities.clamp_min(1e-30).log()).sum(-1).mean()
-        top1 += probabilities.max(-1).values.mean()
-        tokens[:, index] = draw_tokens(probabilities, settings, generator)
-        if index + 1 == num_tokens:
-            break
-        rows = tokens[:, index : index + 1].repeat(2 if cfg else 1, 1)  # (R, 1): the same token in both halves
-        position = target.image_positions(torch.tensor([index], device=rows.device))
-        logits = target.forward(rows, position, cache).logits[:, -1]
-    return Generation(
-        tokens=tokens,
-        target_forwards=num_tokens,  # the prefill plus G - 1 single-token forwards
-        seconds=time.perf_counter() - started,
-        mean_entropy=float(entropy) / num_tokens,
-        mean_top1=float(top1) / num_tokens,
-    )
 
 
 def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 4) -> Image.Image:

@@ -34,7 +34,7 @@ from data.shards import (
     validate_dataset,
     write_atomic,
 )
-from inference.generate import generate_ar
+from inference.autoregressive import generate_ar
 from inference.sampling import combine_cfg
 from models.target import Conditioning
 

@@ -13,8 +13,8 @@ import torch
 from conftest import build_tiny_toy_target
 from stub_drafters import FixedLogitsDrafter, OracleDrafter
 
+from inference.autoregressive import generate_ar
 from inference.drafter import build_draft_attention_mask
-from inference.generate import generate_ar
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
+from inference.autoregressive import generate_ar
 from inference.eagle import EagleDrafter
-from inference.generate import generate_ar
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
 from models.eagle import DrafterConfig, EagleDraftModel, drafter_preset, ttt_attention_mask, vocab_map_from_counts

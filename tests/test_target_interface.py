@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from inference.generate import generate_ar
+from inference.autoregressive import generate_ar
 from inference.sampling import combine_cfg, filter_logits, sample_tokens
 from models.target import SamplingDefaults
 

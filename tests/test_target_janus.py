@@ -15,7 +15,7 @@ import torch
 from conftest import assert_chunked_cache_matches_full_forward, depths_of, path_to, prefilled, tree_mask_of
 from stub_drafters import OracleDrafter
 
-from inference.generate import generate_ar
+from inference.autoregressive import generate_ar
 from inference.sampling import combine_cfg
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule

@@ -20,8 +20,8 @@ import torch
 from conftest import depths_of, path_to, prefilled, tree_mask_of
 from stub_drafters import OracleDrafter
 
+from inference.autoregressive import generate_ar
 from inference.eagle import EagleDrafter
-from inference.generate import generate_ar
 from inference.sampling import combine_cfg
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule

@@ -16,8 +16,8 @@ from test_target_lumina import GRID, build_tiny_lumina, tiny_decoder
 
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
+from inference.autoregressive import generate_ar
 from inference.eagle import EagleDrafter
-from inference.generate import generate_ar
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
 from models import registry

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from inference.autoregressive import generate_ar
 from inference.eagle import EagleDrafter
-from inference.generate import build_rule, generate_ar, image_grid
+from inference.generate import build_rule, image_grid
 from inference.rules import RULES
 from inference.speculative import DecoderConfig, generate_speculative
 from models.target import ImageTarget

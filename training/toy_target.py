@@ -216,7 +216,8 @@ def evaluate(
     spread over captions gives a standard error; every scale after the first is also compared with
     the first on the same captions (a paired difference with its standard error).
     """
-    from inference.generate import generate_ar, image_grid
+    from inference.autoregressive import generate_ar
+    from inference.generate import image_grid
     from models.toy_metrics import SceneReader, frechet_distance
     from models.toy_target import ToyTarget
 
