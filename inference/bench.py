@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -63,6 +62,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.autoregressive import generate_ar
+from inference.cost import run_count_ops
 from inference.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -72,8 +72,9 @@ from inference.generate import (
     read_prompt_lines,
     rule_settings,
 )
-from inference.report import format_markdown, format_table, plot_sweep, sweep_title
-from inference.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
+from inference.latency import run_latency_command
+from inference.report import Quality, format_markdown, format_table, plot_sweep, sweep_title, write_json
+from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -298,43 +299,6 @@ def run_methods(
     return tallies, floor
 
 
-class Quality:
-    """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
-
-    def __init__(self, target: ImageTarget) -> None:
-        from models.toy_metrics import SceneReader
-        from models.toy_target import ASSETS
-
-        self.target = target
-        self.reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
-
-    def images(self, tokens: list[Tensor]) -> Tensor:
-        """N x (G,) tokens -> (N, H, W, 3) uint8 on the CPU."""
-        return self.target.decode_images(torch.stack(tokens).to(self.target.device)).cpu()
-
-    def readable(self, images: Tensor) -> bool:
-        side = self.reader.image_size
-        return tuple(images.shape[1:]) == (side, side, 3)
-
-    def fidelity(self, images: Tensor, prompts: Sequence[str]) -> tuple[float | None, float | None]:
-        """Fraction of images matching their caption and its binomial standard error."""
-        if not self.readable(images):
-            return None, None
-        try:
-            value = self.reader.fidelity(images, list(prompts))
-        except ValueError:  # captions outside the toy grammar
-            return None, None
-        return value, math.sqrt(max(value * (1 - value), 0.0) / len(prompts))
-
-    def distance(self, reference: Tensor, images: Tensor) -> float | None:
-        from models.toy_metrics import frechet_distance
-
-        if not self.readable(images) or len(images) < 2:
-            return None
-        value = frechet_distance(reference, images, self.reader)
-        return value if math.isfinite(value) else None
-
-
 def summarise(
     methods: Sequence[Method],
     rules: dict[str, Rule | None],
@@ -441,45 +405,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_latency(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    """`--latency` / `--random-weights`: print and return `inference.latency`'s report for the target."""
-    from inference.latency import format_latency, measure_target_latency
-
-    started = time.perf_counter()
-    if args.random_weights:
-        from models.random_weights import random_target
-
-        try:
-            target = random_target(args.target, args.size, args.dtype, args.device, seed=args.seed)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-    else:
-        placement = {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
-        target = load_target(args.target, **placement)
-    built = time.perf_counter() - started
-    try:
-        report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
-                                        steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed,
-                                        aux=not args.no_aux)  # fmt: skip
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    print(format_latency(report))
-    total = time.perf_counter() - started
-    print(f"built the target in {built:.1f} s; {total:.1f} s in all")
-    summary = {
-        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
-        "random_weights": bool(args.random_weights),
-        "size": args.size if args.random_weights else None,
-        "build_seconds": built,
-        "seconds": total,
-        **report.to_dict(),
-    }
-    if args.out:
-        _write_json(summary, args.out)
-        print(f"wrote {args.out}")
-    return summary
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     if args.replot:
@@ -490,7 +415,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.latency or args.random_weights:
-        return [run_latency(args, argv)]
+        return [run_latency_command(args, argv)]
     try:
         methods = parse_methods(args.rules, args.rule_arg)
         if args.sweep:
@@ -517,7 +442,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     except ValueError as error:
         raise SystemExit(str(error)) from None
     if args.count_ops:
-        return count_ops(args, target, drafter, methods, rules, prompts, settings, config)
+        return run_count_ops(args, target, drafter, methods, rules, prompts, settings, config)
     has_ar = any(m.rule == "ar" for m in methods)
     started = time.perf_counter()
     tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
@@ -547,7 +472,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "records": records,
     }
     if args.out:
-        _write_json(summary, args.out)
+        write_json(summary, args.out)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.markdown.with_name(args.markdown.name + ".tmp")
@@ -560,37 +485,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         summary["plot"] = str(plot)
         print(f"wrote the Pareto plot to {plot}")
         if args.out:
-            _write_json(summary, args.out)
+            write_json(summary, args.out)
     if args.out:
         print(f"wrote {args.out}")
     return records
-
-
-def count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, methods: list[Method],
-              rules: dict[str, Rule | None], prompts: list[str], settings: SamplingDefaults,
-              config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
-    """--count-ops: aten ops and host syncs per speculative step, per phase, every rule x tree kind."""
-    from inference.cost import count_decode_ops, format_op_table
-
-    if drafter is None:
-        raise SystemExit("--count-ops needs --drafter")
-    speculative_rules = {m.label: rule for m in methods if (rule := rules[m.label]) is not None}
-    trees = {kind: dataclasses.replace(config, tree=kind) for kind in (args.tree,) if kind} or {
-        kind: dataclasses.replace(config, tree=kind) for kind in TREE_KINDS
-    }
-    rows = count_decode_ops(target, drafter, speculative_rules, trees, prompts, settings, args.seed)
-    print(format_op_table(rows))
-    if args.out:
-        _write_json({"command": ["python", "-m", "inference.bench", *sys.argv[1:]], "rows": rows}, args.out)
-        print(f"wrote {args.out}")
-    return rows
-
-
-def _write_json(summary: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

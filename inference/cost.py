@@ -14,7 +14,10 @@ verify, commit), the aten ops dispatched and the host syncs among them: `_local_
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference.drafter import Drafter
 from inference.rules import Rule
-from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import Tree
 from inference.verify import TargetView, Verdict
 from models.target import ImageTarget, SamplingDefaults
@@ -140,3 +143,24 @@ def format_op_table(rows: list[dict[str, Any]]) -> str:
         "overhead = draft + view + verify + commit ops over the target forward's"
     )
     return "\n".join(lines)
+
+
+def run_count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, methods: list[Any],
+              rules: dict[str, Rule | None], prompts: list[str], settings: SamplingDefaults,
+              config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
+    """`inference.bench --count-ops`: aten ops and host syncs per speculative step, per phase, for every rule
+    (`methods`, bench's parsed methods, and their built `rules`) x tree kind (or only `--tree`)."""
+    from inference.report import write_json
+
+    if drafter is None:
+        raise SystemExit("--count-ops needs --drafter")
+    speculative_rules = {m.label: rule for m in methods if (rule := rules[m.label]) is not None}
+    trees = {kind: dataclasses.replace(config, tree=kind) for kind in (args.tree,) if kind} or {
+        kind: dataclasses.replace(config, tree=kind) for kind in TREE_KINDS
+    }
+    rows = count_decode_ops(target, drafter, speculative_rules, trees, prompts, settings, args.seed)
+    print(format_op_table(rows))
+    if args.out:
+        write_json({"command": ["python", "-m", "inference.bench", *sys.argv[1:]], "rows": rows}, args.out)
+        print(f"wrote {args.out}")
+    return rows

@@ -26,8 +26,10 @@ Shapes: R rows (2 per prompt with CFG), N tree nodes, X context image tokens.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -203,3 +205,43 @@ def format_latency(report: LatencyReport) -> str:
         f"tree verify ({report.tree_nodes} nodes/row)    {report.verify_ms:9.2f} ms  ({report.verify_p90_ms:.2f})",
         f"verify / AR                   {report.ratio:9.2f} x  (the tau needed to break even on target time)",
     ])  # fmt: skip
+
+
+def run_latency_command(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """`--latency` / `--random-weights`: print and return `inference.latency`'s report for the target."""
+    from inference.report import write_json
+    from models.registry import load_target
+
+    started = time.perf_counter()
+    if args.random_weights:
+        from models.random_weights import random_target
+
+        try:
+            target = random_target(args.target, args.size, args.dtype, args.device, seed=args.seed)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    else:
+        placement = {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
+        target = load_target(args.target, **placement)
+    built = time.perf_counter() - started
+    try:
+        report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
+                                        steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed,
+                                        aux=not args.no_aux)  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    print(format_latency(report))
+    total = time.perf_counter() - started
+    print(f"built the target in {built:.1f} s; {total:.1f} s in all")
+    summary = {
+        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
+        "random_weights": bool(args.random_weights),
+        "size": args.size if args.random_weights else None,
+        "build_seconds": built,
+        "seconds": total,
+        **report.to_dict(),
+    }
+    if args.out:
+        write_json(summary, args.out)
+        print(f"wrote {args.out}")
+    return summary

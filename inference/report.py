@@ -4,6 +4,7 @@
     Path("table.md").write_text(format_markdown(records, command, summary))
     plot_sweep(records, Path("pareto.png"), sweep_title(summary))
 
+`Quality` scores images with the toy world's scene reader (prompt fidelity, FID-style distance).
 `records` are the JSON-ready rows `inference.bench.summarise` returns (tau, forwards, speed, quality,
 the time split of a step); nothing here decodes.
 """
@@ -11,10 +12,16 @@ the time split of a step); nothing here decodes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.target import ImageTarget
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -154,3 +161,48 @@ def sweep_title(summary: dict[str, Any]) -> str:
     return (f"{summary['target']}, drafter {summary['drafter']}, {summary['num_prompts']} prompts "
             f"({summary['prompt_source']}), tree {tree['tree']} top_k={tree['top_k']} depth={tree['depth']} "
             f"total={tree['total_tokens']}")  # fmt: skip
+
+
+class Quality:
+    """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
+
+    def __init__(self, target: ImageTarget) -> None:
+        from models.toy_metrics import SceneReader
+        from models.toy_target import ASSETS
+
+        self.target = target
+        self.reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+
+    def images(self, tokens: list[Tensor]) -> Tensor:
+        """N x (G,) tokens -> (N, H, W, 3) uint8 on the CPU."""
+        return self.target.decode_images(torch.stack(tokens).to(self.target.device)).cpu()
+
+    def readable(self, images: Tensor) -> bool:
+        side = self.reader.image_size
+        return tuple(images.shape[1:]) == (side, side, 3)
+
+    def fidelity(self, images: Tensor, prompts: Sequence[str]) -> tuple[float | None, float | None]:
+        """Fraction of images matching their caption and its binomial standard error."""
+        if not self.readable(images):
+            return None, None
+        try:
+            value = self.reader.fidelity(images, list(prompts))
+        except ValueError:  # captions outside the toy grammar
+            return None, None
+        return value, math.sqrt(max(value * (1 - value), 0.0) / len(prompts))
+
+    def distance(self, reference: Tensor, images: Tensor) -> float | None:
+        from models.toy_metrics import frechet_distance
+
+        if not self.readable(images) or len(images) < 2:
+            return None
+        value = frechet_distance(reference, images, self.reader)
+        return value if math.isfinite(value) else None
+
+
+def write_json(summary: dict[str, Any], path: Path) -> None:
+    """Write `summary` as JSON atomically (temporary name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, path)

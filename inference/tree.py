@@ -151,7 +151,8 @@ class StaticTreeSpec:
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
     def plan(self, device: torch.device) -> list[LevelPlan]:
         """Index tensors of every level on `device`, built once, so drafting makes no host lists per step."""
-        plans, expanded, run_columns = [], [0], []
+        plans: list[LevelPlan] = []
+        expanded, run_columns = [0], list[int]()
         for depth in range(1, self.max_depth + 1):
             nodes = self.level(depth)
             slot = {node: i for i, node in enumerate(expanded)}

@@ -32,6 +32,7 @@ Shapes: B rows, N tree nodes, K child slots, V vocabulary, P path length (max de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -149,7 +150,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
     """
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
     p = inputs.probs  # (B, N, V)
-    state = rule.prepare(inputs)
+    state: Any = rule.prepare(inputs)  # the rule's own per-step tables
     q_left = tree.q_full.float() if tree.sampled else None  # (B, N, V) proposal mass not drawn yet
     a0s, wants = [], []
     for c in range(children.shape[-1]):
@@ -253,7 +254,7 @@ def _greedy_tests(rule: Rule, inputs: TreeInputs, greedy_tokens: Tensor) -> Tens
     is_argmax = inputs.kid_tokens == greedy_tokens[..., None]
     if isinstance(rule, ExactRule):
         return inputs.usable & is_argmax
-    state = rule.prepare(inputs)
+    state: Any = rule.prepare(inputs)  # the rule's own per-step tables
     p = inputs.probs
     passes = []
     for c in range(inputs.children.shape[-1]):
