@@ -18,7 +18,7 @@ same one without communicating:
 
 Webdataset's own `split_by_node` deals whole shards, which cannot equalise uneven shards without
 resampling (resampling sees some samples twice and others never). So the splitters here are the
-plan above; the shards are WebDataset tars read by `data.shards.iter_raw_samples`.
+plan above; the shards are WebDataset tars read by `data.shard_reader.iter_raw_samples`.
 
 The epoch: each `iter()` of the dataset advances its epoch (webdataset's detshuffle does the
 same), which needs persistent workers, since fresh workers would restart from the pickled epoch and
@@ -67,17 +67,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data.shard_reader import BufferPool, decode_sample, iter_raw_samples
 from data.shards import (
     FEATURE_FIELDS,
-    BufferPool,
     FieldSpec,
     Manifest,
     SampleError,
     ShardError,
     ShardInfo,
     TargetIdentity,
-    decode_sample,
-    iter_raw_samples,
     load_manifest,
     sample_key,
 )

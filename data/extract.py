@@ -50,17 +50,15 @@ from torch import Tensor
 from tqdm import tqdm
 
 from data.prompts import Prompt, PromptSetConfig, load_prompts
+from data.shard_reader import field_widths, iter_raw_samples, validate_dataset
 from data.shards import (
     FieldSpec,
     Manifest,
     ShardInfo,
     ShardWriter,
     TargetIdentity,
-    field_widths,
-    iter_raw_samples,
     sample_key,
     shard_name,
-    validate_dataset,
     write_atomic,
 )
 from inference.autoregressive import generate_ar

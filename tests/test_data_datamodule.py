@@ -20,9 +20,9 @@ from data.datamodule import (
     collate_samples,
     plan_epoch,
 )
+from data.shard_reader import BufferPool
 from data.shards import (
     MANIFEST_NAME,
-    BufferPool,
     FieldSpec,
     Manifest,
     ShardError,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from data.shards import iter_raw_samples, load_manifest, validate_dataset
+from data.shard_reader import iter_raw_samples, validate_dataset
+from data.shards import load_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 EXTRACT_TINY = REPO / "tests" / "scripts" / "extract_tiny.py"

@@ -21,19 +21,8 @@ from data.extract import (
     run_extraction,
 )
 from data.prompts import PromptSetConfig, load_prompts
-from data.shards import (
-    FieldSpec,
-    ShardError,
-    ShardWriter,
-    decode_npy,
-    decode_sample,
-    encode_npy,
-    iter_raw_samples,
-    iter_tar_members,
-    load_manifest,
-    validate_dataset,
-    write_atomic,
-)
+from data.shard_reader import decode_sample, iter_raw_samples, iter_tar_members, validate_dataset
+from data.shards import FieldSpec, ShardError, ShardWriter, decode_npy, encode_npy, load_manifest, write_atomic
 from inference.autoregressive import generate_ar
 from inference.sampling import combine_cfg
 from models.target import Conditioning

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from data.shards import decode_npy, iter_raw_samples, load_manifest
+from data.shard_reader import iter_raw_samples
+from data.shards import decode_npy, load_manifest
 from models.eagle import vocab_map_from_counts
 
 
