@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader
 
-from data.datamodule import DataConfig, FeatureDataModule
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
 from data.shards import (
     MANIFEST_NAME,
     FieldSpec,

@@ -11,16 +11,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from data.datamodule import (
-    DataConfig,
-    FeatureDataModule,
-    ShardStream,
-    SkippedSamplesWarning,
-    batches_per_rank,
-    collate_samples,
-    plan_epoch,
-)
+from data.data_config import DataConfig, SkippedSamplesWarning
+from data.datamodule import FeatureDataModule
+from data.epoch_plan import batches_per_rank, plan_epoch
 from data.shard_reader import BufferPool
+from data.shard_stream import ShardStream, collate_samples
 from data.shards import (
     MANIFEST_NAME,
     FieldSpec,

@@ -11,8 +11,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_data_datamodule import IDENTITY, stream, write_dataset
 
-import data.datamodule as datamodule_module
-from data.datamodule import DataConfig, FeatureDataModule, ResumableLoader, resume_point
+import data.shard_stream as shard_stream_module
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule, ResumableLoader
+from data.epoch_plan import resume_point
 
 
 def batches_of(loader) -> list[list[str]]:
@@ -54,14 +56,14 @@ def test_skipped_batches_are_never_read(tmp_path, monkeypatch):
     settings = dict(batch_size=2, shuffle_buffer=4)
     epoch = batches_of(ResumableLoader(stream(tmp_path, **settings)))
     read: list[str] = []
-    original = datamodule_module.iter_raw_samples
+    original = shard_stream_module.iter_raw_samples
 
     def recording(*args, **kwargs):
         for raw in original(*args, **kwargs):
             read.append(raw["__key__"])
             yield raw
 
-    monkeypatch.setattr(datamodule_module, "iter_raw_samples", recording)
+    monkeypatch.setattr(shard_stream_module, "iter_raw_samples", recording)
     resumed = ResumableLoader(stream(tmp_path, **settings))
     resumed.load_state_dict({"epoch": 0, "batches": 4, "epoch_done": False, "layout": resumed._layout()})
     assert batches_of(resumed) == epoch[4:]

@@ -66,7 +66,7 @@ def synthetic_batch(
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """A batch shaped like a collated toy extraction (`data.datamodule.collate_samples`), random values.
+    """A batch shaped like a collated toy extraction (`data.shard_stream.collate_samples`), random values.
 
     tokens (B, L) int64, hidden (B, L, D), aux (B, L, 3D) and with `cfg` uncond_hidden / uncond_aux, in
     `dtype`; loss_mask (B, L) and sample_mask (B,) all True; lengths (B,); keys, prompt_ids, prompts.

@@ -32,7 +32,8 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
-from data.datamodule import DataConfig, FeatureDataModule
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
 from data.shards import TargetIdentity
 from inference.eagle import check_compatible
 from models.eagle import EagleDraftModel, count_parameters, drafter_preset
@@ -293,7 +294,7 @@ class DrafterDataModule(FeatureDataModule):
 
     Args:
         train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
-            load_uncond, on_error: see `data.datamodule.DataConfig`.
+            load_uncond, on_error: see `data.data_config.DataConfig`.
         target: registry name of the target the features must come from (linked to model.target by fit.py).
         target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
         extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.

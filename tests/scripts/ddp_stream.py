@@ -18,7 +18,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from data.datamodule import DataConfig, FeatureDataModule
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
 from data.shards import load_manifest
 
 
