@@ -110,12 +110,10 @@ def _read_jsonl(path: Path, column: str | None) -> list[tuple[str, str]]:
 
 
 def toy_prompts(count: int, seed: int = 0, split: str = "train") -> list[Prompt]:
-    """`count` captions of the toy world's `split`, drawn by the deterministic scene sampler."""
-    from data.toy_scenes import sample_scenes
-    from models.toy_world import caption_of
+    """`count` captions of the toy world's `split`, drawn by its deterministic scene sampler (`models.toy_scenes`)."""
+    from models.toy_scenes import toy_captions
 
-    scenes = sample_scenes(count, seed=seed, split=split)
-    return [Prompt(f"toy-{split}-s{seed}:{i}", caption_of(scene)) for i, scene in enumerate(scenes)]
+    return [Prompt(f"toy-{split}-s{seed}:{i}", text) for i, text in enumerate(toy_captions(count, seed, split))]
 
 
 def hub_prompts(name: str, split: str = "train", column: str | None = None) -> list[Prompt]:

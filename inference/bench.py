@@ -429,9 +429,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.prompts:
         prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
     else:
-        from data.prompts import toy_prompts
+        from models.toy_scenes import toy_captions
 
-        prompts = [p.text for p in toy_prompts(args.num_prompts, seed=args.prompt_seed, split="heldout")]
+        prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
     drafter = None
     if args.drafter:
         from inference.eagle import EagleDrafter

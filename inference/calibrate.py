@@ -1,6 +1,6 @@
 """Calibrate CASCADE's similarity thresholds per target: quantiles of similarities measured on real trees.
 
-    python -m inference.calibrate --target toy --drafter runs/demo/drafter --num-prompts 16
+    python -m inference.calibrate --target toy --drafter runs/demo/version_0/drafter --num-prompts 16
 
 decodes held-out prompts with the drafter (exact rule, the default tree), collects at every
 verification the mean-centred cosine similarities CASCADE thresholds (cascade.md §4.1, Round 2 item 8):
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.rules import CascadeRule
+from inference.rules import CascadeRule, centred_unit
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import Tree
 from inference.verify import TargetView, Verdict
@@ -45,9 +45,7 @@ class SimilarityRecorder(DecodeHooks):
     def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
         if view.features is None:
             raise ValueError("similarity recording needs the target view's features (decode with a CascadeRule)")
-        feats = view.features.float()
-        feats = feats - feats.mean(-1, keepdim=True)
-        feats = feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # (B, N, D)
+        feats = centred_unit(view.features)  # (B, N, D): cosines become dot products, as in CascadeRule.prepare
         parents = tree.parents  # (B, N)
         has_parent = parents >= 0
         rows = torch.arange(parents.shape[0], device=parents.device)[:, None]
@@ -119,13 +117,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out or args.drafter / CALIBRATION_FILE
     if out.exists() and not args.overwrite:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
-    from data.prompts import toy_prompts  # as inference.bench does (issue: the toy captions move to models/)
     from inference.eagle import EagleDrafter
     from models.registry import load_target
+    from models.toy_scenes import toy_captions
 
     target = load_target(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
-    prompts = [p.text for p in toy_prompts(args.num_prompts, seed=args.prompt_seed, split="heldout")]
+    prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
     record = calibrate(target, drafter, prompts, quantiles={"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq})
     record["command"] = ["python", "-m", "inference.calibrate", *(argv if argv is not None else sys.argv[1:])]
     tmp = out.with_name(out.name + ".tmp")

@@ -213,6 +213,7 @@ def run_latency_command(args: argparse.Namespace, argv: list[str] | None) -> dic
     from models.registry import load_target
 
     started = time.perf_counter()
+    target: ImageTarget
     if args.random_weights:
         from models.random_weights import random_target
 

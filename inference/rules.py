@@ -274,6 +274,16 @@ def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-8)
 
 
+def centred_unit(features: Tensor) -> Tensor:
+    """(..., D) features -> fp32, mean-centred over D and scaled to unit length (norm floored at 1e-8).
+
+    Dot products of the results are the mean-centred cosines CASCADE thresholds (cascade.md §4.1).
+    """
+    feats = features.float()
+    feats = feats - feats.mean(-1, keepdim=True)
+    return feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+
+
 def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
     """KL(p || q) over the last dim, zero where p = 0."""
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log()), 0.0).sum(-1)
@@ -348,9 +358,7 @@ class CascadeRule:
         tree, children, usable = inputs.tree, inputs.children, inputs.usable
         batch, num_nodes, width = children.shape
         rows = torch.arange(batch, device=children.device)[:, None]
-        feats = inputs.features.float()
-        feats = feats - feats.mean(-1, keepdim=True)
-        feats = feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # (B, N, D): cosines become dot products
+        feats = centred_unit(inputs.features)  # (B, N, D): cosines become dot products
         kid = children.clamp_min(0)  # (B, N, K)
         kid_feats = feats[rows[..., None], kid]  # (B, N, K, D)
         to_parent = (kid_feats * feats[:, :, None]).sum(-1)  # (B, N, K): sim(F[x], F[u])

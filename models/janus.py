@@ -58,7 +58,7 @@ from models.target import ImageGeometry, SamplingDefaults, resolve_aux_layer_ids
 from models.transformers_decoder import TransformersDecoderTarget, check_attention_implementation, placement
 
 if TYPE_CHECKING:
-    from transformers import JanusForConditionalGeneration
+    from transformers import JanusForConditionalGeneration, PreTrainedConfig
 
 JANUS_SAMPLING = SamplingDefaults(cfg_scale=5.0, temperature=1.0, top_k=None, top_p=None)
 """Official Janus-Pro image sampling: cfg_weight 5, temperature 1, no truncation."""
@@ -100,8 +100,9 @@ class JanusTarget(TransformersDecoderTarget):
         self.tokenizer = tokenizer
         self.name = name
         self.sampling = sampling
-        self.language_model = model.model.language_model
-        text_config = self.language_model.config
+        language_model = model.model.language_model
+        self.language_model = language_model
+        text_config: PreTrainedConfig = language_model.config  # the Llama config it was built from
         check_attention_implementation(text_config)
         self._text_config = text_config
         vq_config: Any = model.config.vq_config
@@ -148,7 +149,9 @@ class JanusTarget(TransformersDecoderTarget):
         device, dtype = placement(device, dtype)
         model = JanusForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model.to(device)  # type: ignore[arg-type]  # (weights load on the CPU first: device_map needs accelerate)
+        # weights load on the CPU first (device_map needs accelerate); the ignore: transformers wraps `to` with
+        # functools.wraps(nn.Module.to), which mypy reads as a function missing its self
+        model.to(device)  # type: ignore[arg-type]
         return cls(model, tokenizer, **kwargs)
 
     @staticmethod

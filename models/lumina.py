@@ -145,7 +145,8 @@ class LuminaTarget(TransformersDecoderTarget):
         self.vq_decoder = vq_decoder
         self.vqgan_path = Path(vqgan_path) if vqgan_path is not None else None
         self.vqgan_config = vqgan_config
-        self.language_model = model.model
+        base_model = model.model  # ChameleonModel: the decoder stack and the image vocabulary mapping
+        self.language_model = base_model
         config = model.config
         check_attention_implementation(config)
         self._config = config
@@ -158,7 +159,7 @@ class LuminaTarget(TransformersDecoderTarget):
 
         # ---- the image vocabulary: K codes in VQ order, then end-of-line, then end-of-image
         vocab = dict(config.vocabulary_map or {})
-        mapping = self.language_model.vocabulary_mapping
+        mapping = base_model.vocabulary_mapping
         img2bpe = mapping.img2bpe
         codes = len(img2bpe)
         if sorted(img2bpe) != list(range(codes)):
@@ -233,7 +234,7 @@ class LuminaTarget(TransformersDecoderTarget):
         device, dtype = placement(device, dtype)
         model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model.to(device)  # type: ignore[arg-type]
+        model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` with functools.wraps: mypy sees no self
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ sizes

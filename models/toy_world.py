@@ -8,7 +8,7 @@ with a caption from a small grammar, e.g.
 
 This module holds only the definitions that both sides need: the attribute values, the scene
 record, caption rendering and parsing, and the word vocabulary the caption encoder reads. Drawing
-scenes lives in `data/toy_scenes.py`; reading attributes back from pixels lives in
+scenes lives in `models/toy_scenes.py`; reading attributes back from pixels lives in
 `models/toy_metrics.py`.
 """
 

@@ -11,7 +11,8 @@ Shapes: R rows, T new tokens, S cache columns, D hidden size.
 from __future__ import annotations
 
 import os
-from typing import Any
+from abc import abstractmethod
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,25 @@ from torch import Tensor, nn
 from models.kv_cache import KVCache
 from models.llamagen import build_attention_mask
 from models.target import Conditioning, DecoderTarget, TargetOutput
+
+
+class DecoderStack(Protocol):
+    """What we drive of a transformers base model (`LlamaModel`, `ChameleonModel`): its four parts.
+
+    Read-only properties, so any module that has these submodules matches, whatever their concrete classes.
+    """
+
+    @property
+    def embed_tokens(self) -> nn.Module: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def norm(self) -> nn.Module: ...
+
+    @property
+    def rotary_emb(self) -> nn.Module: ...
 
 
 class KVCacheWriter:
@@ -33,7 +53,7 @@ class KVCacheWriter:
 
 
 def run_decoder_layers(
-    language_model: nn.Module,
+    language_model: DecoderStack,
     inputs: Tensor,
     positions: Tensor,
     cache: KVCache,
@@ -96,14 +116,22 @@ def check_attention_implementation(config: Any) -> None:
 class TransformersDecoderTarget(DecoderTarget):
     """A target over a transformers language model (`language_model`: embed_tokens, layers, norm, rotary_emb).
 
-    Subclasses set `language_model`, `num_kv_heads`, `head_dim` and `_aux_layer_ids`, and implement
+    Subclasses set `language_model` and `_aux_layer_ids`, give `num_kv_heads` and `head_dim`, and implement
     `prompt_ids(prompts, cfg) -> (ids (R, C), valid (R, C))`, the image embedding and the image head.
     """
 
-    language_model: nn.Module
-    num_kv_heads: int
-    head_dim: int
+    language_model: DecoderStack
     _aux_layer_ids: tuple[int, ...]
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int:
+        """Key/value heads per attention layer (the cache's head count)."""
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int:
+        """Width of one attention head (the cache's last dimension)."""
 
     def prompt_ids(self, prompts: list[str], cfg: bool) -> tuple[Tensor, Tensor]:
         """Token ids (R, C) of the [cond; uncond] prefix rows and which slots are valid (R, C)."""
@@ -142,6 +170,5 @@ def placement(device: torch.device | str | None, dtype: torch.dtype | str | None
     """
     local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     resolved = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return resolved, dtype or (torch.bfloat16 if resolved.type == "cuda" else torch.float32)  # type: ignore[return-value]
+    named = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return resolved, named or (torch.bfloat16 if resolved.type == "cuda" else torch.float32)

@@ -1,11 +1,143 @@
-"""Inference users need no training stack: importing models and inference pulls in none of it."""
+"""Import boundaries between the project packages, read from the source with `ast` (docs/architecture.md).
+
+Arrows (a package may import itself and what its arrow names, no other project package):
+
+    models    -> (nothing)
+    inference -> models
+    data      -> models, inference
+    training  -> models, inference, data
+
+Nothing outside `training/` and `tests/` imports `training`. `models` and `inference` never import the
+training stack (lightning, deepspeed, webdataset), anywhere in a file: module level, inside functions,
+under `if TYPE_CHECKING:`, or through `importlib.import_module("...")` with a literal name. Inference
+users need no training stack, which the last test also checks at run time by importing every module.
+"""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("models", "inference", "data", "training")
+ALLOWED: dict[str, frozenset[str]] = {
+    "models": frozenset({"models"}),
+    "inference": frozenset({"models", "inference"}),
+    "data": frozenset({"models", "inference", "data"}),
+    "training": frozenset(PACKAGES),
+}
+"""Project packages each package may import (itself included)."""
+OUTSIDE_ALLOWED = frozenset({"models", "inference", "data"})
+"""Project packages a Python file outside the four packages and tests/ may import: all but training."""
 TRAINING_STACK = ("lightning", "pytorch_lightning", "deepspeed", "webdataset")
+NO_TRAINING_STACK = ("models", "inference")
+SKIPPED_DIRS = frozenset({"tests", "runs", "outputs", "build", "dist", "venv"})
+"""Top-level folders that hold no project code the arrows govern (tests may import anything)."""
+DYNAMIC_IMPORTERS = frozenset({"import_module", "__import__"})
+
+
+def _dynamic_name(call: ast.Call) -> str | None:
+    """The literal module name of `importlib.import_module("x")` / `__import__("x")`, else None."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in DYNAMIC_IMPORTERS or not call.args:
+        return None
+    first = call.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def imported_modules(source: str, relative_path: str) -> list[tuple[int, str]]:
+    """(line, top-level module) of every import anywhere in the file, relative imports resolved.
+
+    `relative_path` is the file's path from the repository root (`inference/bench.py`); it places
+    relative imports, which never leave the file's own top-level package (`from ..x import y` in
+    `models/sub/a.py` is `models`).
+    """
+    folder = Path(relative_path).parts[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename=relative_path)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            relative_to = folder[0] if node.level and folder else ""
+            found.append((node.lineno, relative_to or (node.module or "").split(".")[0]))
+        elif isinstance(node, ast.Call) and (name := _dynamic_name(node)) is not None:
+            found.append((node.lineno, name.lstrip(".").split(".")[0]))
+    return found
+
+
+def boundary_violations(source: str, relative_path: str) -> list[str]:
+    """`path:line: message` for every import of the file that breaks an arrow; [] when it keeps them all."""
+    package = Path(relative_path).parts[0]
+    allowed = ALLOWED.get(package, OUTSIDE_ALLOWED)
+    label = package if package in ALLOWED else "a file outside the packages"
+    problems = []
+    for line, module in imported_modules(source, relative_path):
+        where = f"{relative_path}:{line}"
+        if module in PACKAGES and module not in allowed:
+            problems.append(f"{where}: {label} may not import {module}")
+        if package in NO_TRAINING_STACK and module in TRAINING_STACK:
+            problems.append(f"{where}: {package} may not import the training stack ({module})")
+    return problems
+
+
+def project_files() -> list[Path]:
+    """Every Python file the arrows govern: the four packages and any other top-level folder or script."""
+    files = sorted(ROOT.glob("*.py"))
+    for folder in sorted(p for p in ROOT.iterdir() if p.is_dir()):
+        name = folder.name
+        if name.startswith((".", "_")) or name in SKIPPED_DIRS or name.endswith(".egg-info"):
+            continue
+        if (folder / "pyvenv.cfg").exists():
+            continue
+        files += sorted(folder.rglob("*.py"))
+    return files
+
+
+def test_the_checker_sees_function_level_and_relative_imports():
+    """The checker must be able to fail: forbidden imports hidden inside functions are reported."""
+    source = (
+        "import torch\n"
+        "from models.target import ImageTarget\n"
+        "def run():\n"
+        "    import lightning\n"
+        "    from data.prompts import toy_prompts\n"
+        "    def inner():\n"
+        "        from training import fit\n"
+        "class Holder:\n"
+        "    def method(self):\n"
+        "        import importlib\n"
+        "        return importlib.import_module('webdataset')\n"
+    )
+    problems = boundary_violations(source, "inference/synthetic.py")
+    assert problems == [
+        "inference/synthetic.py:4: inference may not import the training stack (lightning)",
+        "inference/synthetic.py:5: inference may not import data",
+        "inference/synthetic.py:7: inference may not import training",
+        "inference/synthetic.py:11: inference may not import the training stack (webdataset)",
+    ], problems
+    assert boundary_violations(source, "training/synthetic.py") == []  # training may import all of it
+    # relative imports stay inside the file's own package: data.training here, not the training package
+    assert imported_modules("def f():\n    from ..training import fit\n", "data/sub/synthetic.py") == [(2, "data")]
+    assert boundary_violations("from . import toy_world\nimport inference\n", "models/synthetic.py") == [
+        "models/synthetic.py:2: models may not import inference"
+    ]
+    assert boundary_violations("import training.fit\n", "scripts/tool.py") == [
+        "scripts/tool.py:1: a file outside the packages may not import training"
+    ]
+
+
+def test_every_project_file_keeps_the_arrows():
+    files = project_files()
+    for package in PACKAGES:  # the walk found the packages (an empty walk would pass vacuously)
+        assert any(f.relative_to(ROOT).parts[0] == package for f in files), f"no Python files found in {package}/"
+    problems = []
+    for path in files:
+        relative = path.relative_to(ROOT).as_posix()
+        problems += boundary_violations(path.read_text(encoding="utf-8"), relative)
+    assert not problems, "import arrows broken (see docs/architecture.md):\n" + "\n".join(problems)
 
 
 def test_models_and_inference_import_without_the_training_stack():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.toy_scenes import render_dataset
 from models.toy_metrics import SceneReader, frechet_distance
+from models.toy_scenes import render_dataset
 from models.toy_world import parse_caption
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.toy_scenes import COLOURS, render_dataset, render_scene, sample_scenes
+from models.toy_scenes import COLOURS, render_dataset, render_scene, sample_scenes
 from models.toy_world import (
     CELL_SIZE,
     COLOUR_NAMES,
@@ -127,7 +127,7 @@ def test_caption_fixes_shape_pixels_and_shapes_fill_their_cells_four_patches():
 def test_shipped_vq_spreads_a_grained_background_patch_over_many_codes():
     """The grain makes a plain background patch land on dozens of codes, as real VQ tokens of a texture do:
     a tree that drafts a few children cannot cover them, which is the regime relaxed verification is for."""
-    from data.toy_scenes import _draw_background
+    from models.toy_scenes import _draw_background
 
     vq = PatchVQ.load("models/assets/toy_vq.safetensors")
     rng = np.random.default_rng(0)

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.toy_scenes import render_dataset
 from models.toy_model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
+from models.toy_scenes import render_dataset
 from models.vq import PatchVQ, nearest_code, reconstruction_error
 
 ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
@@ -125,7 +125,7 @@ def train_target(
     partial = out / "toy_target.partial.pt"
     start, elapsed, history = 0, 0.0, []
     if partial.exists():
-        state = torch.load(partial, weights_only=False)
+        state = torch.load(partial, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
@@ -223,8 +223,8 @@ def evaluate(
 
     target = ToyTarget.from_assets(folder)
     reader = SceneReader.load(folder / "scene_reader.safetensors")
-    captions, truth = render_dataset(num_prompts, seed=seed, split="heldout")
-    truth = torch.from_numpy(truth)
+    captions, truth_pixels = render_dataset(num_prompts, seed=seed, split="heldout")
+    truth = torch.from_numpy(truth_pixels)
     through_vq = target.vq.decode(target.vq.encode(truth))
     print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}, "
           f"{reader.fidelity(through_vq, captions):.3f} after a VQ round trip (a ceiling for any target)")  # fmt: skip

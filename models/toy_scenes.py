@@ -1,4 +1,4 @@
-"""Deterministic generator of the toy world's captioned scenes.
+"""Deterministic generator of the toy world's captioned scenes (and so of its captions).
 
 A scene is drawn from a `numpy.random.Generator`, so `(seed, index)` fixes it: the same seed gives
 the same scenes, captions and pixels on every machine. Captions follow the grammar in
@@ -7,6 +7,11 @@ use captions the target never saw.
 
     scenes = sample_scenes(64, seed=0, split="heldout")
     pixels = render_scene(scenes[0], rng)            # (36, 36, 3) uint8
+    captions = toy_captions(16, seed=5, split="heldout")
+
+The toy world lives in `models/` because every package needs its captions: inference decodes
+held-out captions (`inference.bench`, `inference.calibrate`), data extracts features over them
+(`data.prompts`), training renders scenes to build the toy target (`training.toy_target`).
 
 The geometry is laid out for the 6 x 6-pixel patch tokenizer (`models/vq.py`): a 36 x 36 canvas is
 a 6 x 6 grid of patches, and each of the 3 x 3 named positions is a 12 x 12 cell of 2 x 2 patches.
@@ -144,6 +149,11 @@ def sample_scenes(count: int, seed: int, split: str = "train") -> list[SceneSpec
     """`count` scenes of a split, fixed by `seed`."""
     rng = np.random.default_rng(seed)
     return [sample_scene(rng, split) for _ in range(count)]
+
+
+def toy_captions(count: int, seed: int = 0, split: str = "train") -> list[str]:
+    """The captions of `sample_scenes(count, seed, split)`, in order: the toy world's prompts."""
+    return [caption_of(scene) for scene in sample_scenes(count, seed=seed, split=split)]
 
 
 def render_dataset(count: int, seed: int, split: str = "train") -> tuple[list[str], np.ndarray]:
