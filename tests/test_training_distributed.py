@@ -196,4 +196,19 @@ def test_convert_refuses_what_is_not_a_drafter_checkpoint(tmp_path: Path, capsys
     torch.save({"state_dict": {"layer.weight": torch.zeros(1)}, "hyper_parameters": {}}, not_a_drafter)
     with pytest.raises(convert.CheckpointError, match="no drafter config"):
         convert.convert_checkpoint(not_a_drafter, tmp_path / "out")
+    hostile = tmp_path / "hostile.ckpt"  # unpickling it would touch a file: safe loading refuses it first
+    torch.save({"state_dict": {}, "payload": RunsCodeWhenUnpickled(str(tmp_path / "ran"))}, hostile)
+    with pytest.raises(convert.CheckpointError, match=r"safe loading refuses \(it pickles "):
+        convert.convert_checkpoint(hostile, tmp_path / "out")
+    assert not (tmp_path / "ran").exists()
     assert not (tmp_path / "out").exists()
+
+
+class RunsCodeWhenUnpickled:
+    """An object whose unpickling touches a file: what weights_only=False loading would execute."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path(self.marker).touch, ())

@@ -26,7 +26,8 @@ from training.system import resolve_config_path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-TRAINING_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != "extract_toy.yaml")
+TRAINING_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("extract_"))
+REAL_TARGET_CONFIGS = [f"eagle{v}_{t}.yaml" for v in (1, 3) for t in ("janus", "llamagen", "lumina")]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 TAGS = ("train/loss", "train/acc_0", "train/ce_0", "train/cfg_ce_0", "train/grad_norm", "lr-AdamW", "val/tau_sim")
 
@@ -69,6 +70,18 @@ def test_every_config_parses_and_validates(name: str):
     assert data.config.train_dir == config_file["data"]["train_dir"]
     assert cli.config.trainer.accelerator == config_file["trainer"]["accelerator"]
     assert system.model is None and system.frozen_target is None  # nothing heavy was built
+
+
+@pytest.mark.parametrize("name", REAL_TARGET_CONFIGS)
+def test_every_real_target_config_measures_decode_tau_and_checks_it_at_start(name: str):
+    cli = check_config(["--config", Path(name).stem])
+    callbacks = cli.config_init["trainer"]["callbacks"] or []
+    decoders = [c for c in callbacks if type(c).__name__ == "DecodeValidation"]
+    assert len(decoders) == 1, f"{name} has no DecodeValidation callback"
+    assert decoders[0].rules == ["exact", "cascade"] and decoders[0].decoder.tree == "static"
+    assert 0 < decoders[0].num_prompts <= 16
+    with pytest.raises(ValueError, match="unknown"):  # a misspelt rule fails when the run starts
+        check_config(["--config", Path(name).stem, "--trainer.callbacks.init_args.rules", "[exact, casade]"])
 
 
 def test_bare_names_resolve_in_configs():

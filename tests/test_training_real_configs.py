@@ -60,7 +60,7 @@ def test_fit_runs_the_config_on_the_tiny_stand_in(name: str, tmp_path: Path, cap
     printed = capsys.readouterr().out
     assert status == 0
     assert "steps: 2" in printed and "untrained ->" in printed
-    run = tmp_path / "runs" / name
+    run = tmp_path / "runs" / name / "version_0"  # each run takes the next version folder
     resolved = yaml.safe_load((run / "config.yaml").read_text())
     assert resolved["model"]["target"] == target and resolved["model"]["target_options"] == {"random_weights": "tiny"}
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "drafter" / "model.safetensors").is_file()

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 
 from inference.autoregressive import generate_ar
 from inference.eagle import EagleDrafter
@@ -85,6 +86,7 @@ class DecodeValidation(Callback):
         self._validations = 0
         self._announced = False
         self._reader: Any = None
+        self._warned_no_decoder = False
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking or self.every_n_validations <= 0:
@@ -108,11 +110,12 @@ class DecodeValidation(Callback):
         sums = {"count": float(len(mine))}
         rows: list[np.ndarray] = []
         if mine:
+            tokens: list[torch.Tensor] = []  # per method (AR first): (K / W, G) image tokens
             with self._gathered(pl_module), _eval_mode(pl_module.drafter):
                 drafter = EagleDrafter(pl_module.drafter, target)
                 ar = generate_ar(target, mine, generator=self._generator(target, rank))
                 sums["target_forwards_ar"] = float(ar.target_forwards) * len(mine)
-                images = [target.decode_images(ar.tokens)]
+                tokens.append(ar.tokens)
                 for name, rule in rules.items():
                     result = generate_speculative(
                         target, drafter, mine, rule, self.decoder, generator=self._generator(target, rank)
@@ -121,13 +124,14 @@ class DecodeValidation(Callback):
                     sums[f"tau_{name}"] = plus_one
                     sums[f"steps_{name}"] = float(steps)
                     sums[f"target_forwards_{name}"] = float(result.target_forwards) * len(mine)
-                    images.append(target.decode_images(result.tokens))
-            captions = mine
+                    tokens.append(result.tokens)
             reader = self._scene_reader(target)
-            if reader is not None:
-                for name, pictures in zip(["ar", *rules], images, strict=True):
-                    sums[f"fidelity_{name}"] = reader.fidelity(torch.as_tensor(pictures), captions) * len(mine)
-            rows = [np.asarray(pictures) for pictures in images]
+            images = self._decode(target, tokens) if (self.log_images or reader is not None) else None
+            if images is not None:
+                if reader is not None:
+                    for name, pictures in zip(["ar", *rules], images, strict=True):
+                        sums[f"fidelity_{name}"] = reader.fidelity(torch.as_tensor(pictures), mine) * len(mine)
+                rows = [np.asarray(pictures) for pictures in images]
         seconds = time.perf_counter() - started
         totals = self._all_reduce(trainer, sums)
         count = max(totals["count"], 1.0)
@@ -150,6 +154,16 @@ class DecodeValidation(Callback):
         return metrics
 
     # ------------------------------------------------------------------------- helpers
+
+    def _decode(self, target: ImageTarget, tokens: list[torch.Tensor]) -> list[Any] | None:
+        """Pixels per method, or None (said once) for a target loaded without its image decoder."""
+        try:
+            return [target.decode_images(method_tokens) for method_tokens in tokens]
+        except NotImplementedError as error:  # e.g. Lumina-mGPT without vqgan_path: tau is still measured
+            if not self._warned_no_decoder:
+                warnings.warn(f"DecodeValidation logs tau without images: {error}", stacklevel=2)
+                self._warned_no_decoder = True
+            return None
 
     def _generator(self, target: ImageTarget, rank: int) -> torch.Generator:
         generator = torch.Generator(device=target.device)
@@ -201,3 +215,16 @@ def _eval_mode(module: torch.nn.Module):  # type: ignore[no-untyped-def]
         yield
     finally:
         module.train(was_training)
+
+
+class StepBoundedProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, without "Epoch 6/-2" when training is bounded by max_steps.
+
+    A run bounded by `max_steps` has `max_epochs = -1`, which the rich bar prints as the last epoch
+    `-2`; such runs show the epoch alone (the bar itself counts the steps).
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
+            return f"Epoch {current_epoch}"
+        return super()._get_train_description(current_epoch)

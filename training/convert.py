@@ -17,13 +17,16 @@ Two checkpoint layouts are read:
 The drafter config is the checkpoint's `drafter_config` (it carries the vocabulary-map key of a
 reduced draft vocabulary), else `hyper_parameters["drafter"]`. Weights are the `model.` entries of
 the module's state dict, prefix stripped; a missing or unexpected weight is an error naming the
-checkpoint. Checkpoints are unpickled (`weights_only=False`, as Lightning loads them): convert only
-checkpoints you trust.
+checkpoint. Files are read with `torch.load(weights_only=True)` (tensors, plain containers and the few
+DeepSpeed enums its checkpoints hold): a checkpoint that pickles anything else is refused with the
+object named. ZeRO partitions are consolidated by DeepSpeed's own loader.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,32 @@ class CheckpointError(ValueError):
     """The checkpoint is missing, of an unknown layout, or does not hold a DrafterSystem."""
 
 
+def _allowed_globals() -> list[Any]:
+    """Non-tensor types DeepSpeed writes into its checkpoint files (enums, loss scalers), where importable."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # deepspeed absent: its checkpoints cannot be consolidated anyway
+        return []
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def safe_torch_load(path: str | Path) -> Any:
+    """`torch.load` that runs no pickled code: tensors, containers and `_allowed_globals` only."""
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+        if found is None:  # not a refused object: the file is no pickle at all
+            raise
+        raise CheckpointError(
+            f"{path} holds objects that safe loading refuses (it pickles {found.group(1)}); it was not written "
+            "by this project's training, or holds extra objects: load and re-save its state_dict in code you trust"
+        ) from error
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """(module state dict, Lightning checkpoint fields other than the weights) of a .ckpt file or DeepSpeed folder."""
     path = Path(path)
@@ -54,8 +83,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
 
 def _load_file(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # any unpickling failure means: not a checkpoint file
+        checkpoint = safe_torch_load(path)
+    except CheckpointError:
+        raise
+    except Exception as error:  # any other loading failure means: not a checkpoint file
         raise CheckpointError(f"{path} is not a Lightning checkpoint file (torch.load failed: {error})") from error
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         found = sorted(checkpoint)[:10] if isinstance(checkpoint, dict) else type(checkpoint).__name__
@@ -90,14 +121,14 @@ def _load_deepspeed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     optim_files = sorted(folder.glob("*optim_states.pt"))
     zero_stage = 0
     if optim_files:
-        optim = torch.load(optim_files[0], map_location="cpu", weights_only=False)
+        optim = safe_torch_load(optim_files[0])
         zero_stage = int(optim.get("optimizer_state_dict", {}).get("zero_stage", 0))
     model_file = (
         get_model_state_file(str(folder), zero_stage) if zero_stage else str(folder / "mp_rank_00_model_states.pt")
     )
     if not Path(model_file).is_file():
         raise CheckpointError(f"{path}: the DeepSpeed model-states file {model_file} is missing")
-    client_state = torch.load(model_file, map_location="cpu", weights_only=False)
+    client_state = safe_torch_load(model_file)
     if zero_stage:  # the weights live in the per-rank fp32 optimizer partitions
         state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     else:  # no ZeRO: the full module state is saved as is

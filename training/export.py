@@ -1,9 +1,9 @@
 """Export a trained drafter as a Hugging Face model folder, and optionally push it to the Hub.
 
-    python -m training.export --ckpt runs/demo/checkpoints/last.ckpt --out exports/demo
-    python -m training.export --ckpt runs/demo/checkpoints/last.ckpt/ --out exports/demo     # DeepSpeed folder
-    python -m training.export --ckpt runs/demo/drafter --out exports/demo                    # a drafter folder
-    python -m training.export --ckpt runs/demo/checkpoints/last.ckpt --out exports/demo \\
+    python -m training.export --ckpt runs/demo/version_0/checkpoints/last.ckpt --out exports/demo
+    python -m training.export --ckpt runs/demo/version_0/checkpoints/last.ckpt/ --out exports/demo   # DeepSpeed
+    python -m training.export --ckpt runs/demo/version_0/drafter --out exports/demo                  # drafter folder
+    python -m training.export --ckpt runs/demo/version_0/checkpoints/last.ckpt --out exports/demo \\
         --push-to-hub my-org/eagle3-toy --private             # token: HF_TOKEN or `hf auth login`
 
 The source is a Lightning `.ckpt` file, a DeepSpeed checkpoint folder (ZeRO partitions consolidated

@@ -2,14 +2,18 @@
 
     python training/fit.py --config demo                          # toy target, CPU, a few minutes
     python training/fit.py --config eagle3_toy --trainer.max_steps 10 --model.objective.ttt_steps 3
-    python training/fit.py --config demo --ckpt_path last         # resume exactly where it stopped
+    python training/fit.py --config demo --ckpt_path last         # resume the newest run where it stopped
     python training/fit.py --config demo --print_config           # the resolved config
 
 LightningCLI (jsonargparse) reads the YAML's `trainer`, `model` (DrafterSystem), `data`
 (DrafterDataModule) and `checkpoint` (ModelCheckpoint) sections; any key can be overridden with a
 dotted flag, and an unknown key is an error that names it. A bare config name resolves in
-`configs/`. The resolved config is written into the run directory as `config.yaml`; the drafter
-is exported there as `drafter/` (config.json + model.safetensors) when training ends.
+`configs/`. The run directory is chosen before anything is written (`training.run_folder`: a new
+`version_N` per run, `--ckpt_path last` = the newest run's last.ckpt, an explicit version that holds a
+run is an error unless `--overwrite true`). The resolved config is written there as `config.yaml`;
+`checkpoints/last.ckpt` every `checkpoint.every_n_train_steps` steps (LastCheckpoint) and the best by
+`val/tau_sim` beside it; the drafter is exported as `drafter/` (config.json + model.safetensors) when
+training ends.
 
 Before training (unless resuming) the untrained drafter is validated, so the printed summary and
 TensorBoard show the simulated acceptance length before and after.
@@ -22,18 +26,41 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE as RICH_AVAILABLE
 
+from training.callbacks import StepBoundedProgressBar
+from training.run_folder import RunFolderError, RunPlan, plan_run
 from training.system import DrafterDataModule, DrafterSystem, resolve_config_path
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`checkpoints/last.ckpt` every N training steps, whether or not a validation has run: the resume point.
+
+    The monitored best-by-metric checkpoint (the `checkpoint` section) waits for its metric; this one
+    monitors nothing and keeps no top-k, so a run killed before its first validation still resumes
+    from its last interval.
+    """
+
+    def __init__(self, every_n_train_steps: int | None = None) -> None:
+        super().__init__(monitor=None, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps)
+
+
+def last_checkpoint_callback(trainer: Any) -> ModelCheckpoint | None:
+    """The callback that writes last.ckpt (LastCheckpoint, else any ModelCheckpoint with save_last)."""
+    writers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
+    writers.sort(key=lambda cb: not isinstance(cb, LastCheckpoint))
+    return writers[0] if writers else None
 
 
 class ExportDrafter(Callback):
     """Writes `<run dir>/drafter` (the drafter alone, self-describing) when training ends."""
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        checkpoint = trainer.checkpoint_callback
-        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and checkpoint.dirpath:
+        checkpoint = last_checkpoint_callback(trainer)
+        if checkpoint is not None and checkpoint.dirpath:
             # ModelCheckpoint writes last.ckpt only on its own schedule; make it the final step for --ckpt_path last
             last = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
             if getattr(pl_module, "last_checkpoint_step", None) != trainer.global_step:
@@ -44,8 +71,15 @@ class ExportDrafter(Callback):
             print(f"exported the drafter to {path}")
 
 
+def process_rank() -> int:
+    """This process's global rank as the launcher set it (RANK, LOCAL_RANK, SLURM_PROCID; 0 when none)."""
+    return int(getattr(rank_zero_only, "rank", 0))
+
+
 class DrafterCLI(LightningCLI):
     """LightningCLI with a checkpoint section, the target linked into the data section, and --ckpt_path."""
+
+    run_plan: RunPlan | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -53,19 +87,64 @@ class DrafterCLI(LightningCLI):
             {
                 "checkpoint.monitor": "val/tau_sim",
                 "checkpoint.mode": "max",
-                "checkpoint.save_last": True,
+                "checkpoint.save_last": False,  # last.ckpt is LastCheckpoint's, written at every interval
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "best-{step}",
             }
         )
+        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
+        parser.link_arguments("checkpoint.every_n_train_steps", "last_checkpoint.every_n_train_steps")
         parser.link_arguments("model.target", "data.target")
         parser.link_arguments("model.target_options", "data.target_options")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume; 'last' = newest")
+        parser.add_argument(
+            "--ckpt_path", type=str | None, default=None, help="checkpoint to resume; 'last' = the newest run's"
+        )
         parser.add_argument("--validate_before", type=bool, default=True, help="validate the untrained drafter first")
+        parser.add_argument(
+            "--overwrite", type=bool, default=False, help="clear an explicit run folder that holds another run"
+        )
+
+    def before_instantiate_classes(self) -> None:
+        """Pick the run folder and the checkpoint to resume before the logger or any callback writes."""
+        config = self.config
+        if config.get("checkpoint.save_last"):
+            raise RunFolderError(
+                "checkpoint.save_last: last.ckpt is written by the interval checkpoint (every "
+                "checkpoint.every_n_train_steps steps); remove checkpoint.save_last from the config"
+            )
+        init_args = config.get("trainer.logger.init_args")
+        if init_args is None or init_args.get("save_dir") is None:
+            if config.get("ckpt_path") == "last":
+                raise RunFolderError("--ckpt_path last needs a logger with save_dir (the run folder); pass the path")
+            return
+        name = init_args.get("name") or ""
+        root = Path(init_args.save_dir) / name
+        plan = plan_run(root, init_args.get("version"), config.get("ckpt_path"), bool(config.get("overwrite")),
+                        rank=process_rank())  # fmt: skip
+        init_args.version = plan.version
+        config.ckpt_path = plan.ckpt_path
+        self.run_plan = plan
+        if plan.cleared and process_rank() == 0:
+            print(f"--overwrite: cleared {', '.join(plan.cleared)} from {plan.folder}")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with the step-bounded rich progress bar unless the config disables or chooses a bar."""
+        trainer_config = self.config_init.get("trainer") or {}
+        callbacks = list(trainer_config.get("callbacks") or [])
+        if (
+            RICH_AVAILABLE
+            and trainer_config.get("enable_progress_bar") is not False
+            and not any(isinstance(callback, ProgressBar) for callback in callbacks)
+        ):
+            kwargs.setdefault("callbacks", [*callbacks, StepBoundedProgressBar()])
+        return super().instantiate_trainer(**kwargs)
 
 
 class ConfigCheckCLI(DrafterCLI):
     """Parses a config and builds model and data, but no Trainer: checks GPU configs on any machine."""
+
+    def before_instantiate_classes(self) -> None:
+        """No run folder is chosen: nothing will be written."""
 
     def instantiate_classes(self) -> None:
         instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
@@ -124,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cli = build_cli(argv)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, RunFolderError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     trainer, system, data = cli.trainer, cli.model, cli.datamodule
@@ -157,8 +236,9 @@ def summarize(trainer: Any, before: float | None) -> None:
             + f"{after:.3f} trained"
         )
     lines.append(f"  steps: {trainer.global_step}")
-    if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.last_model_path:
-        lines.append(f"  checkpoints: {Path(trainer.checkpoint_callback.last_model_path).parent}")
+    checkpoint = last_checkpoint_callback(trainer)
+    if checkpoint is not None and checkpoint.last_model_path:
+        lines.append(f"  checkpoints: {Path(checkpoint.last_model_path).parent}")
     lines.append(f"  drafter: {log_dir / 'drafter'}")
     lines.append(f"  TensorBoard: tensorboard --logdir {log_dir}")
     print("\n".join(lines))

@@ -87,6 +87,12 @@ class ObjectiveConfig:
         for name in ("ce_weight", "feature_weight", "noise_std", "cfg_loss_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.uncond_rate > 0 and self.cfg_loss_weight > 0:
+            raise ValueError(
+                f"objective.uncond_rate={self.uncond_rate} and objective.cfg_loss_weight={self.cfg_loss_weight} are "
+                "alternatives: cfg_loss_weight > 0 already trains both branches of every sample, so a branch swap "
+                "would be ignored; set one of them to 0"
+            )
         if self.convergence_weight <= 0:
             raise ValueError(f"convergence_weight must be > 0 (1.0 = off), got {self.convergence_weight}")
 

@@ -227,10 +227,12 @@ class DrafterSystem(L.LightningModule):
 
     def _logging_step(self) -> bool:
         """Whether this training step's values reach the logger (Lightning logs every log_every_n_steps)."""
-        return (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0
+        every = getattr(self.trainer, "log_every_n_steps", 1)  # set by Trainer.__init__ (not in its stubs)
+        return (self.global_step + 1) % max(1, every) == 0
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         out = self.compute(batch, training=True)
+        self._check_finite(out.loss, batch)
         size = len(batch["keys"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=size)
         if self._logging_step():  # the per-step metrics cost ~0.5 ms per self.log call: only when logged
@@ -238,6 +240,23 @@ class DrafterSystem(L.LightningModule):
             if self._step_seconds:
                 self.log("train/tokens_per_s", out.tokens / self._step_seconds, batch_size=size)
         return out.loss
+
+    def _check_finite(self, loss: Tensor, batch: dict[str, Any]) -> None:
+        """Stop the run (every rank, before any export) at a NaN/Inf loss, naming the step and the batch's keys.
+
+        One host read per step, which the progress bar's loss display pays anyway; under DDP the
+        decision is reduced so all ranks stop together instead of waiting in the next all-reduce.
+        """
+        finite = bool(torch.isfinite(loss.detach()))
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            keys = ", ".join(str(key) for key in batch["keys"])
+            raise FloatingPointError(
+                f"the training loss is not finite ({float(loss.detach()):g} on this rank) at global step "
+                f"{self.global_step}, batch {keys}; nothing was exported. Check these samples with "
+                "`python -m data.extract --validate <train_dir>`, or lower optimizer.lr / raise gradient clipping"
+            )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         out = self.compute(batch, training=False)
