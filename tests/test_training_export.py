@@ -36,7 +36,7 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
 from models import registry
 from models.eagle import EagleDraftModel, drafter_preset
-from training.convert import drafter_from_checkpoint
+from training.checkpoints import drafter_from_checkpoint
 from training.export import ExportError, check_serving_layout, export_drafter, main, serving_weight_names
 from training.system import shared_target
 

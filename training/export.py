@@ -7,7 +7,8 @@
         --push-to-hub my-org/eagle3-toy --private             # token: HF_TOKEN or `hf auth login`
 
 The source is a Lightning `.ckpt` file, a DeepSpeed checkpoint folder (ZeRO partitions consolidated
-first; `training.convert.load_checkpoint`) or an existing drafter folder (config.json + model.safetensors).
+first) or an existing drafter folder (config.json + model.safetensors), read by `training.checkpoints`,
+the one checkpoint reader; `python -m training.convert` is this command under its old name.
 The folder written holds
 
 - `model.safetensors`: the drafter's weights only, never the target's embedding or image head;
@@ -26,8 +27,8 @@ The model card reads the run directory (by default the checkpoint's parent's par
 the training data's `manifest.json`, and the logged `val/tau_sim` and `decode/tau_*` values.
 
 Uploads use huggingface_hub (`create_repo(exist_ok=True)` + `upload_folder`). The token comes from
-`HF_TOKEN` or the login cache (`hf auth login`) and is never printed or logged. Checkpoints are
-unpickled (as Lightning loads them): export only checkpoints you trust.
+`HF_TOKEN` or the login cache (`hf auth login`) and is never printed or logged. Checkpoint files are
+read with `torch.load(weights_only=True)`: one that pickles code is refused, naming the object.
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ from models.eagle import (
     EagleDraftModel,
     count_parameters,
 )
-from training.convert import MODEL_PREFIX, CheckpointError
-from training.drafter_source import ExportError, read_source, training_target
+from training.checkpoints import MODEL_PREFIX, CheckpointError, read_drafter, training_target
 from training.model_card import RunInfo, collect_run_info, render_model_card
+
+
+class ExportError(ValueError):
+    """The source cannot be exported as is (wrong weights, existing output, no token, failed upload)."""
+
 
 CARD_NAME = "README.md"
 EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
@@ -174,7 +179,7 @@ def export_drafter(
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
-    source = read_source(ckpt)
+    source = read_drafter(ckpt)
     check_serving_layout(source.state, source.config, str(source.path))
     model = EagleDraftModel(source.config)
     model.load_state_dict(source.state, strict=True)

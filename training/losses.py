@@ -78,12 +78,6 @@ def uniform_feature_noise(
     return features + (noise * scale).to(features.dtype)
 
 
-def top1_accuracy(draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
-    """Fraction of masked positions where the drafter's argmax equals the target's: () float."""
-    agree = draft_logits.argmax(-1) == target_logits.argmax(-1)
-    return (agree & mask).sum() / masked_mean_denominator(mask)
-
-
 def simulated_acceptance_length(accuracies: list[Tensor] | Tensor) -> Tensor:
     """tau_sim = 1 + sum_k prod_{i <= k} acc_i: the mean accepted chain + the bonus token, for a greedy chain draft."""
     acc = torch.stack(list(accuracies)) if isinstance(accuracies, list) else accuracies

@@ -19,7 +19,7 @@ from models.eagle import (
     EagleDraftModel,
     count_parameters,
 )
-from training.drafter_source import DrafterSource, training_target
+from training.checkpoints import DrafterSource, training_target
 
 LIBRARY_NAME = "cascade-drafters"
 RUN_CONFIG_NAME = "config.yaml"
