@@ -246,5 +246,7 @@ class FeatureDataModule(L.LightningDataModule):
         return self._loader(self.val_stream) if self.val_stream is not None else []
 
     def _loader(self, stream: ShardStream | None) -> DataLoader:
+        if stream is None:
+            raise RuntimeError("the DataModule's streams are built in setup(); call setup() before asking for loaders")
         workers = self.config.num_workers
         return DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=workers > 0)

@@ -2,6 +2,7 @@
 
     python data/extract.py --config configs/extract_toy.yaml                 # or: python -m data.extract ...
     python data/extract.py --config configs/extract_toy.yaml out_dir=shards/toy batch_size=32
+    python data/extract.py --config configs/extract_toy.yaml --prompts.count 16 --print_config   # LightningCLI style
     torchrun --nproc_per_node 4 data/extract.py --config configs/extract_toy.yaml
     python -m data.extract --merge shards/toy        # write manifest.json if the last rank could not
     python -m data.extract --validate shards/toy     # re-read every shard: sha256, shapes, dtypes, NaN/Inf, counts
@@ -49,8 +50,9 @@ import yaml
 from torch import Tensor
 from tqdm import tqdm
 
+from data.manifest import field_widths
 from data.prompts import Prompt, PromptSetConfig, load_prompts
-from data.shard_reader import field_widths, iter_raw_samples, validate_dataset
+from data.shard_reader import iter_raw_samples
 from data.shards import (
     FieldSpec,
     Manifest,
@@ -61,6 +63,7 @@ from data.shards import (
     shard_name,
     write_atomic,
 )
+from data.validate import validate_dataset
 from inference.autoregressive import generate_ar
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -319,7 +322,10 @@ def _shard_info(out_dir: Path, index: int, first_index: int) -> ShardInfo | None
     if not path.exists():
         return None
     if sidecar.exists():
-        return ShardInfo(**json.loads(sidecar.read_text()))
+        try:
+            return ShardInfo.from_dict(json.loads(sidecar.read_text()), source=str(sidecar))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{sidecar} is not valid JSON ({error}); delete it to rebuild it from {path}") from None
     sha256 = hashlib.sha256()
     count = sum(1 for _ in iter_raw_samples(path, sha256))  # killed between rename and sidecar write
     info = ShardInfo(path.name, count, sha256.hexdigest(), path.stat().st_size, first_index)
@@ -346,7 +352,11 @@ def merge_manifest(out_dir: str | Path, require_complete: bool = False) -> Manif
     job_path = out_dir / WORK_DIR / "job.json"
     if not job_path.exists():
         raise FileNotFoundError(f"{job_path} does not exist: {out_dir} is not an extraction output folder")
-    manifest = Manifest.from_dict(json.loads(job_path.read_text()), source=str(job_path))
+    try:
+        values = json.loads(job_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{job_path} is not valid JSON ({error}); rerun the extraction to rewrite it") from None
+    manifest = Manifest.from_dict(values, source=str(job_path))
     num_shards = math.ceil(manifest.num_samples / manifest.samples_per_shard)
     infos = [_shard_info(out_dir, i, i * manifest.samples_per_shard) for i in range(num_shards)]
     missing = [shard_name(i) for i, info in enumerate(infos) if info is None]
@@ -426,12 +436,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--validate", type=Path, metavar="DIR", help="re-read every shard of DIR and check it")
     parser.add_argument("--merge", type=Path, metavar="DIR", help="write DIR/manifest.json from finished shards")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--print_config", action="store_true", help="print the resolved config and stop")
     return parser
 
 
+def split_dotted_flags(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
+    """Separate config flags in LightningCLI's style (`--prompts.count 16`, `--batch_size=8`) from the CLI's own.
+
+    Returns (the CLI's arguments, `key=value` overrides); a config flag without a value is an error.
+    """
+    rest, overrides, index = [], [], 0
+    while index < len(argv):
+        token = argv[index]
+        key, equals, value = token[2:].partition("=")
+        if not token.startswith("--") or token == "--" or token.partition("=")[0] in known:
+            rest.append(token)
+        elif equals:
+            overrides.append(f"{key}={value}")
+        elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+            overrides.append(f"{key}={argv[index + 1]}")
+            index += 1
+        else:
+            raise ValueError(f"{token} needs a value (e.g. {token} 16)")
+        index += 1
+    return rest, overrides
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    known = {flag for action in parser._actions for flag in action.option_strings}
     try:
+        own, flags = split_dotted_flags(sys.argv[1:] if argv is None else list(argv), known)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    args = parser.parse_args(own)
+    try:
+        args.overrides = [*args.overrides, *flags]
         if args.validate:
             report = validate_dataset(args.validate, progress=not args.no_progress)
             print(
@@ -448,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.config is None and not args.overrides:
                 raise ValueError("give --config FILE (and optional key=value overrides), --validate DIR or --merge DIR")
             config = load_config(args.config, args.overrides)
+            if args.print_config:
+                print(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), end="")
+                return 0
             manifest = run_extraction(config, progress=not args.no_progress)
             if manifest is not None:
                 print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards to {config.out_dir}")

@@ -1,17 +1,20 @@
-"""Reading and validating shards: a small ustar reader, samples as raw members, decoded and checked samples.
+"""Reading shards: a small ustar reader, samples as raw members, decoded and checked samples.
 
 Reading uses a small ustar reader (`iter_tar_members`) instead of tarfile's stream mode: it reads
-each member with one `read` (tarfile copies it three times in 10 KB pieces), checks header
-checksums, and reports truncation with the shard name and byte offset. The format itself (manifest,
-fields, writer) is `data.shards`.
+each member with one `read` (tarfile copies it three times in 10 KB pieces), and checks every header
+field it reads (checksum, size, name, type), so a damaged, truncated, compressed or missing shard
+raises `ShardError` naming the file, byte offset and field. `decode_sample` checks a sample's members,
+dtypes, shapes and values (NaN/Inf, token ids within the vocabulary) with vectorised passes over the
+arrays it decodes, raising `SampleError` naming the shard, key and field. The format itself (fields,
+writer) is `data.shards`, the manifest `data.manifest`, whole-dataset validation `data.validate`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
@@ -22,16 +25,10 @@ import numpy as np
 
 from data.shards import (
     BLOCK,
-    FEATURE_FIELDS,
-    MANIFEST_NAME,
     FieldSpec,
-    Manifest,
     SampleError,
     ShardError,
-    ShardInfo,
-    TargetIdentity,
     decode_npy,
-    load_manifest,
 )
 
 _ZERO_BLOCK = bytes(BLOCK)  # two of them end a tar
@@ -87,11 +84,31 @@ def _read_exact(file: io.RawIOBase, size: int) -> bytes:
     return b"".join(parts)
 
 
-def _header_number(field_bytes: bytes) -> int:
-    if field_bytes[0] & 0x80:  # GNU base-256 for large values
+_OCTAL = re.compile(rb" *[0-7]*")
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+REEXTRACT = "delete the file and rerun data/extract.py with the dataset's config to write it again"
+"""How to repair a damaged shard: extraction is deterministic and rewrites only missing shards."""
+
+
+def _header_number(field_bytes: bytes, path: Path, offset: int, name: str) -> int:
+    """A numeric tar header field: octal digits (space or NUL terminated), or GNU base-256."""
+    if field_bytes[0] == 0x80:  # GNU base-256 for large positive values (0xff starts a negative one)
         return int.from_bytes(field_bytes[1:], "big")
-    text = field_bytes.rstrip(b"\0 ").strip()
-    return int(text, 8) if text else 0
+    text = field_bytes.split(b"\0", 1)[0].rstrip(b" ")
+    if not _OCTAL.fullmatch(text):
+        raise ShardError(
+            f"{path}: tar header at byte {offset}, field {name!r}: {bytes(field_bytes)!r} is not an octal number "
+            f"(corrupt or not a tar file); {REEXTRACT}"
+        )
+    return int(text, 8) if text.strip() else 0
+
+
+def _not_a_tar(path: Path, header: bytes) -> str:
+    """Why the first header of a file fails: a compressed file, or not a tar at all."""
+    for magic, kind in _COMPRESSED.items():
+        if header.startswith(magic):
+            return f"{path}: is {kind}-compressed; shards are plain, uncompressed tar files: decompress it"
+    return f"{path}: not a tar file (its first 512 bytes are no tar header); {REEXTRACT}"
 
 
 def _read_into(file: io.RawIOBase, buffer: bytearray, size: int) -> memoryview:
@@ -116,59 +133,99 @@ def iter_tar_members(
             then a memoryview of a buffer from `pool.take`, to be given back by the consumer.
 
     Raises:
-        ShardError: naming the file and offset, on a bad header checksum or a truncated file.
+        ShardError: naming the file (and the byte offset and header field), if the file is missing, a
+            directory, compressed, truncated, or has a header whose checksum or numbers do not read.
     """
     path = Path(path)
     if sha256 is not None and keep is not None:
         raise ValueError("iter_tar_members: hashing needs every byte, so `keep` cannot skip members")
-    with open(path, "rb", buffering=0) as file:
-        file_size = os.fstat(file.fileno()).st_size
+    try:
+        file = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing; {REEXTRACT}") from None
+    except IsADirectoryError:
+        raise ShardError(f"{path}: is a directory, not a shard (a tar file); {REEXTRACT}") from None
+    except OSError as error:
+        raise ShardError(f"{path}: cannot be opened ({error.strerror or error})") from None
+    try:
+        with file:
+            yield from _members(file, path, sha256, keep, pool)
+    except OSError as error:  # an I/O error mid-file
+        raise ShardError(f"{path}: read failed ({error.strerror or error})") from None
 
-        def read(size: int) -> bytes:
-            data = _read_exact(file, size)
-            if sha256 is not None:
-                sha256.update(data)
-            return data
 
-        offset = 0
-        while True:
-            header = read(BLOCK)
-            if len(header) < BLOCK:
-                raise ShardError(f"{path}: truncated at byte {offset + len(header)} (no end-of-archive marker)")
-            if header == _ZERO_BLOCK:
-                break
-            stored = _header_number(header[148:156])
-            if stored != sum(header[:148]) + 256 + sum(header[156:]):
-                raise ShardError(f"{path}: corrupt tar header at byte {offset} (checksum mismatch)")
-            size = _header_number(header[124:136])
-            end = offset + BLOCK + size + (-size % BLOCK)
-            if end > file_size:
-                raise ShardError(f"{path}: truncated inside the member at byte {offset} (file ends at {file_size})")
-            if header[156:157] in (b"x", b"g", b"L", b"K"):  # TarWriter writes ustar: names fit the header
-                raise ShardError(f"{path}: pax or GNU extended header at byte {offset}; shards are plain ustar")
-            if header[156:157] not in (b"0", b"\0", b"7"):  # directories, links: not sample members
-                read(end - offset - BLOCK)
-                offset = end
-                continue
+def _members(
+    file: io.RawIOBase, path: Path, sha256: Any, keep: Callable[[str], bool] | None, pool: BufferPool | None
+) -> Iterator[tuple[str, bytes | memoryview | None]]:
+    """`iter_tar_members` on an open file; every header field it reads is checked."""
+    file_size = os.fstat(file.fileno()).st_size
+
+    def read(size: int) -> bytes:
+        data = _read_exact(file, size)
+        if sha256 is not None:
+            sha256.update(data)
+        return data
+
+    offset = 0
+    while True:
+        header = read(BLOCK)
+        if len(header) < BLOCK:
+            if offset == 0 and not header:
+                raise ShardError(f"{path}: is empty (0 bytes), not a tar file; {REEXTRACT}")
+            raise ShardError(
+                f"{path}: truncated at byte {offset + len(header)} (no end-of-archive marker); {REEXTRACT}"
+            )
+        if header == _ZERO_BLOCK:
+            break
+        try:
+            stored = _header_number(header[148:156], path, offset, "chksum")
+        except ShardError:
+            if offset == 0:  # the file's first block: say what the file is instead
+                raise ShardError(_not_a_tar(path, header)) from None
+            raise
+        if stored != sum(header[:148]) + 256 + sum(header[156:]):
+            if offset == 0 and any(header.startswith(magic) for magic in _COMPRESSED):
+                raise ShardError(_not_a_tar(path, header))
+            raise ShardError(f"{path}: corrupt tar header at byte {offset} (checksum mismatch); {REEXTRACT}")
+        size = _header_number(header[124:136], path, offset, "size")
+        end = offset + BLOCK + size + (-size % BLOCK)
+        if end > file_size:
+            raise ShardError(
+                f"{path}: truncated inside the member at byte {offset} (its header says {size} bytes, the file "
+                f"ends at {file_size}); {REEXTRACT}"
+            )
+        kind = header[156:157]
+        if kind in (b"x", b"g", b"L", b"K"):  # TarWriter writes ustar: names fit the header
+            raise ShardError(f"{path}: pax or GNU extended header at byte {offset}; shards are plain ustar")
+        if kind not in (b"0", b"\0", b"7"):  # directories, links: not sample members
+            read(end - offset - BLOCK)
+            offset = end
+            continue
+        try:
             name = header[:100].split(b"\0", 1)[0].decode()
             if header[257:262] == b"ustar" and header[345] != 0:
                 name = header[345:500].split(b"\0", 1)[0].decode() + "/" + name
-            if keep is None or keep(name):
-                data: bytes | memoryview
-                if pool is not None and size >= pool.min_size and sha256 is None:
-                    data = _read_into(file, pool.take(size), size)
-                    file.seek(end)
-                else:
-                    data = read(size)
-                    read(-size % BLOCK)
-                yield name, data
-            else:
+        except UnicodeDecodeError:
+            raise ShardError(
+                f"{path}: tar header at byte {offset}, field 'name': {header[:40].rstrip(bytes(1))!r}... is not "
+                f"UTF-8 (corrupt header); {REEXTRACT}"
+            ) from None
+        if keep is None or keep(name):
+            data: bytes | memoryview
+            if pool is not None and size >= pool.min_size and sha256 is None:
+                data = _read_into(file, pool.take(size), size)
                 file.seek(end)
-                yield name, None
-            offset = end
-        if sha256 is not None:
-            while chunk := file.read(1 << 20):
-                sha256.update(chunk)
+            else:
+                data = read(size)
+                read(-size % BLOCK)
+            yield name, data
+        else:
+            file.seek(end)
+            yield name, None
+        offset = end
+    if sha256 is not None:
+        while chunk := file.read(1 << 20):
+            sha256.update(chunk)
 
 
 def _split_member(path: Path, name: str) -> tuple[str, str]:
@@ -200,10 +257,13 @@ def iter_raw_samples(
     suffixes: set[str] | None = None,
     pool: BufferPool | None = None,
     positions: Container[int] | None = None,
+    num_samples: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Samples `start .. stop - 1` of a shard as `{"__key__": key, "<field>.npy": bytes, "json": bytes}`.
 
     With a `pool`, large members are memoryviews of pooled buffers, listed under "__buffers__".
+    With `num_samples` (the manifest's count), reaching a sample at that position raises ShardError,
+    so a shard holding more samples than listed is caught by whoever reads to its end.
 
     Samples before `start`, samples whose position (0 = the shard's first sample) is not in
     `positions` when it is given, and members whose suffix is not in `suffixes` are skipped by
@@ -227,12 +287,17 @@ def iter_raw_samples(
         if current and current["__key__"] != key:
             yield current
             current = {}
+        if num_samples is not None and position >= num_samples:
+            raise ShardError(
+                f"{path}: holds more samples than the {num_samples} the manifest lists (sample {key} is one too "
+                "many); re-run `python -m data.extract --merge DIR` or re-extract the shard"
+            )
         if stop is not None and position >= stop:
             return
         if not wanted(position):
             continue
         if suffix in current:
-            raise ShardError(f"{path}: sample {key} holds {suffix!r} twice")
+            raise ShardError(f"{path}: sample {key} holds {suffix!r} twice; {REEXTRACT}")
         current.setdefault("__key__", key)
         if isinstance(data, memoryview):
             current.setdefault("__buffers__", []).append(data.obj)
@@ -242,7 +307,14 @@ def iter_raw_samples(
         yield current
 
 
-def decode_sample(raw: dict[str, Any], fields: dict[str, FieldSpec], num_tokens: int, shard: str) -> dict[str, Any]:
+def decode_sample(
+    raw: dict[str, Any],
+    fields: dict[str, FieldSpec],
+    num_tokens: int,
+    shard: str,
+    vocab_size: int | None = None,
+    check_values: bool = True,
+) -> dict[str, Any]:
     """Arrays (zero-copy views) and metadata of one raw sample, checked against the manifest's fields.
 
     Args:
@@ -250,19 +322,27 @@ def decode_sample(raw: dict[str, Any], fields: dict[str, FieldSpec], num_tokens:
         fields: the fields to decode (all, or a subset, of the manifest's).
         num_tokens: G; a sample's length must lie in 1..G.
         shard: the shard's path, for error messages.
+        vocab_size: V, the target's image vocabulary (`manifest.target.image_vocab_size`); token ids
+            must lie in 0..V-1. None skips the range check.
+        check_values: check that every float field is finite (no NaN/Inf) and token ids lie in range.
+            Vectorised over the arrays already decoded (`value_problem`): about 0.08 ms per MB,
+            half the cost of the copy into the batch that follows.
 
     Returns:
         {"__key__": str, "meta": dict, "tokens": (L,), "hidden": (L, D), ...the other requested fields}.
 
     Raises:
-        SampleError: naming the shard, the key and the field, if a field is missing or has the wrong
-            dtype or shape.
+        SampleError: naming the shard, the key and the field, if a member is missing or malformed, has
+            the wrong dtype or shape, holds NaN/Inf, or a token id outside the vocabulary.
     """
     key = raw["__key__"]
     sample: dict[str, Any] = {"__key__": key}
     name = "json"
     try:
-        sample["meta"] = json.loads(raw["json"])
+        data = raw["json"]
+        sample["meta"] = json.loads(bytes(data))
+        if not isinstance(sample["meta"], dict):
+            raise ValueError(f"holds {type(sample['meta']).__name__}, expected a JSON object")
         for name, spec in fields.items():
             array = decode_npy(raw[f"{name}.npy"])
             expected_ndim = 1 if spec.width is None else 2
@@ -274,104 +354,60 @@ def decode_sample(raw: dict[str, Any], fields: dict[str, FieldSpec], num_tokens:
                 raise ValueError(f"width {array.shape[1]}, the manifest says {spec.width}")
             sample[name] = array
     except KeyError as error:
-        raise SampleError(f"{shard}: sample {key} lacks the member {error.args[0]!r}") from None
-    except ValueError as error:
-        raise SampleError(f"{shard}: sample {key}, field {name!r}: {error}") from None
+        raise SampleError(f"{shard}: sample {key} lacks the member {error.args[0]!r}; {REEXTRACT}") from None
+    except ValueError as error:  # (json's and UTF-8 decoding errors are ValueErrors too)
+        raise SampleError(f"{shard}: sample {key}, field {name!r}: {error}; {REEXTRACT}") from None
     lengths = {name: len(sample[name]) for name in fields}
     if len(set(lengths.values())) != 1 or not 0 < lengths["tokens"] <= num_tokens:
-        raise SampleError(f"{shard}: sample {key}: field lengths {lengths}, expected one length in 1..{num_tokens}")
+        raise SampleError(
+            f"{shard}: sample {key}: field lengths {lengths}, expected one length in 1..{num_tokens} (the "
+            f"manifest's num_tokens); {REEXTRACT}"
+        )
+    if check_values:
+        for name in fields:
+            problem = value_problem(sample[name], vocab_size if name == "tokens" else None)
+            if problem:
+                raise SampleError(f"{shard}: sample {key}, field {name!r}: {problem}")
     return sample
 
 
-# ----------------------------------------------------------------------------- validation
+def value_problem(array: np.ndarray, vocab_size: int | None = None) -> str | None:
+    """What is wrong with an array's values, or None: NaN/Inf in a float array, ids outside 0..V-1 in an integer one.
 
+    Args:
+        array: (L,) token ids or (L, width) features, as decoded (any strides).
+        vocab_size: V for token ids; None checks nothing for integer arrays.
 
-def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bool = True) -> dict[str, int]:
-    """Re-read every shard of a dataset: sha256, counts, fields, dtypes, shapes and finiteness.
-
-    Every field the manifest lists (FEATURE_FIELDS: the optional aux, uncond_hidden and uncond_aux
-    too) is decoded and checked for NaN/Inf in every sample, and the manifest's field widths are
-    checked against its target (D, or 3D for the auxiliary streams).
-
-    Returns:
-        {"shards": ..., "samples": ..., "bytes": ...} when everything checks out.
-
-    Raises:
-        ValueError: listing every problem found, each naming the shard (and key and field).
+    The common case costs two `max` reductions and no temporary array: in a float's bit pattern, an
+    all-ones exponent is exactly NaN or Inf, so a positive one is a signed-integer view's value
+    >= the exponent mask and a negative one an unsigned view's value >= sign bit | mask (~0.08 ms
+    per MB on one core, 15x faster than `np.isfinite` on float16, half the cost of copying the
+    array). Ids are checked by their min and max. Only a failing array is scanned again, to count
+    and locate the bad values.
     """
-    from tqdm import tqdm
-
-    folder = Path(folder)
-    manifest = load_manifest(folder)
-    problems = _check_fields(manifest, str(folder / MANIFEST_NAME))
-    if not {"tokens", "hidden"} <= set(manifest.fields):  # samples cannot be checked without them
-        raise ValueError(f"{folder}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
-    seen: set[str] = set()
-    total_samples = total_bytes = 0
-    bar = tqdm(manifest.shards, desc="validate", unit="shard", disable=not progress)
-    for info in bar:
-        path = folder / info.name
-        if not path.exists():
-            problems.append(f"{path}: listed in the manifest but missing")
-            continue
-        sha256, count = hashlib.sha256(), 0
-        try:
-            for raw in iter_raw_samples(path, sha256):
-                sample = decode_sample(raw, manifest.fields, manifest.num_tokens, str(path))
-                problems += _check_sample(sample, info, path, seen, check_finite)
-                count += 1
-        except ShardError as error:
-            problems.append(str(error))
-            continue
-        total_samples, total_bytes = total_samples + count, total_bytes + path.stat().st_size
-        if sha256.hexdigest() != info.sha256:
-            problems.append(f"{path}: sha256 {sha256.hexdigest()} differs from the manifest's {info.sha256}")
-        if count != info.num_samples:
-            problems.append(f"{path}: holds {count} samples, the manifest says {info.num_samples}")
-    if sum(s.num_samples for s in manifest.shards) != manifest.num_samples:
-        problems.append(
-            f"{folder / MANIFEST_NAME}: shard counts sum to {sum(s.num_samples for s in manifest.shards)}, "
-            f"num_samples says {manifest.num_samples}"
+    if array.size == 0:
+        return None
+    if array.dtype.kind == "f":
+        info, bits = np.finfo(array.dtype), 8 * array.dtype.itemsize
+        exponent = ((1 << info.nexp) - 1) << info.nmant  # the exponent bits
+        unsigned, signed = array.view(f"u{array.dtype.itemsize}"), array.view(f"i{array.dtype.itemsize}")
+        if int(unsigned.max()) < (1 << (bits - 1)) | exponent and int(signed.max()) < exponent:
+            return None
+        bad = (unsigned & exponent) == exponent  # same shape as `array`
+        where = np.argwhere(bad)[0].tolist()  # the first non-finite element's (row[, column])
+        place = f"row {where[0]}" + (f", column {where[1]}" if len(where) > 1 else "")
+        return (
+            f"{np.count_nonzero(bad)} non-finite values (NaN/Inf), the first at {place}; the target produced "
+            "them (extract with feature_dtype: float32 if float16 overflows) or the shard is corrupt"
         )
-    if problems:
-        shown = "\n  ".join(problems[:50])
-        raise ValueError(f"{folder}: {len(problems)} problem(s):\n  {shown}")
-    return {"shards": len(manifest.shards), "samples": total_samples, "bytes": total_bytes}
-
-
-def field_widths(target: TargetIdentity) -> dict[str, int | None]:
-    """The row width of every field of FEATURE_FIELDS for a target (None: a 1-D field)."""
-    hidden, aux = target.hidden_size, len(target.aux_layer_ids) * target.hidden_size
-    return {"tokens": None, "hidden": hidden, "aux": aux, "uncond_hidden": hidden, "uncond_aux": aux}
-
-
-def _check_fields(manifest: Manifest, source: str) -> list[str]:
-    """The manifest's field list against FEATURE_FIELDS and the widths its target implies."""
-    widths, problems = field_widths(manifest.target), []
-    for name in ("tokens", "hidden"):
-        if name not in manifest.fields:
-            problems.append(f"{source}: lacks the required field {name!r}")
-    for name, spec in manifest.fields.items():
-        if name not in widths:
-            problems.append(f"{source}: unknown field {name!r} (known fields: {', '.join(FEATURE_FIELDS)})")
-        elif spec.width != widths[name]:
-            problems.append(f"{source}: field {name!r} has width {spec.width}, its target needs {widths[name]}")
-    return problems
-
-
-def _check_sample(sample: dict[str, Any], info: ShardInfo, path: Path, seen: set[str], check_finite: bool) -> list[str]:
-    key, problems = sample["__key__"], []
-    if key in seen:
-        problems.append(f"{path}: sample {key} appears more than once in the dataset")
-    seen.add(key)
-    index = int(key)
-    if not info.first_index <= index < info.first_index + info.num_samples:
-        problems.append(f"{path}: sample {key} lies outside the shard's index range")
-    for name in ("index", "prompt_id", "prompt", "seed"):
-        if name not in sample["meta"]:
-            problems.append(f"{path}: sample {key}, field 'json': lacks {name!r}")
-    for name in FEATURE_FIELDS[1:]:
-        if check_finite and name in sample and not np.isfinite(sample[name]).all():
-            bad = int((~np.isfinite(sample[name])).sum())
-            problems.append(f"{path}: sample {key}, field {name!r}: {bad} non-finite values (NaN/Inf)")
-    return problems
+    if array.dtype.kind in "iu" and vocab_size is not None:
+        low, high = int(array.min()), int(array.max())
+        if low >= 0 and high < vocab_size:
+            return None
+        outside = np.flatnonzero((array < 0) | (array >= vocab_size))
+        return (
+            f"{outside.size} token id(s) outside the image vocabulary 0..{vocab_size - 1} (the manifest's "
+            f"target.image_vocab_size), the first {int(array.flat[outside[0]])} at position {int(outside[0])}; "
+            "the shard is corrupt or holds another target's tokens: re-extract it"
+        )
+    return None

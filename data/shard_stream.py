@@ -19,8 +19,10 @@ from data.epoch_plan import Segment, plan_epoch, resume_point, worker_batches
 from data.shard_reader import BufferPool, decode_sample, iter_raw_samples
 from data.shards import (
     FEATURE_FIELDS,
+    MANIFEST_NAME,
     FieldSpec,
     Manifest,
+    ManifestError,
     SampleError,
     ShardError,
     ShardInfo,
@@ -54,7 +56,7 @@ def collate_samples(
         out = _allocate(shape, torch.int64 if name == "tokens" else _TORCH_DTYPES[spec.dtype], pool)
         view = out.numpy()
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-            if length:
+            if sample is not None and length:
                 view[row, :length] = sample[name]  # the one copy: from the tar bytes into the batch
             if length < longest:
                 view[row, length:] = 0
@@ -109,16 +111,18 @@ class ShardStream(IterableDataset):
             | ({"aux"} if config.load_aux else set())
             | ({"uncond_hidden"} if config.load_uncond else set())
         )
+        source = str(Path(folder) / MANIFEST_NAME)
+        manifest.check_consistent(source)  # widths, counts, and sample ranges that overlap (keys would repeat)
         missing = sorted(wanted - set(manifest.fields))
         if missing:
-            raise ValueError(
-                f"{folder}: the dataset has no {missing} features (it holds {sorted(manifest.fields)}); "
+            raise ManifestError(
+                f"{source}: the dataset has no {missing} features (it holds {sorted(manifest.fields)}); "
                 "set load_aux / load_uncond to false or re-extract with store_aux / store_uncond"
             )
         if config.load_uncond and config.load_aux and "uncond_aux" in manifest.fields:
             wanted.add("uncond_aux")  # optional: datasets extracted before it existed lack it
         if not shards:
-            raise ValueError(f"{folder}: no shards to read (check num_val_shards against the manifest's shard count)")
+            raise ManifestError(f"{source}: no shards to read (check num_val_shards against its shard count)")
         self.folder, self.manifest, self.shards, self.config = Path(folder), manifest, shards, config
         self.fields = {name: manifest.fields[name] for name in FEATURE_FIELDS if name in wanted}
         self.suffixes = {"json"} | {f"{name}.npy" for name in self.fields}
@@ -238,7 +242,12 @@ class ShardStream(IterableDataset):
     def _read_segment(
         self, positions: list[int], info: ShardInfo, skipped: list[str], pool: BufferPool
     ) -> Iterator[dict[str, Any] | None]:
-        """The samples at `positions` (ascending, 0 = the shard's first) of one shard, None for unreadable ones."""
+        """The samples at `positions` (ascending, 0 = the shard's first) of one shard, None for unreadable ones.
+
+        Every sample's key must be the one the manifest gives its position (so keys are unique: the
+        manifest's sample ranges do not overlap), and the reader of a shard's last sample checks that
+        nothing follows it, so each shard holds exactly the manifest's count.
+        """
         path = str(self.folder / info.name)
         start, stop = positions[0], positions[-1] + 1
         raws = iter_raw_samples(
@@ -248,7 +257,9 @@ class ShardStream(IterableDataset):
             suffixes=self.suffixes,
             pool=pool,
             positions=None if stop - start == len(positions) else set(positions),
+            num_samples=info.num_samples,
         )
+        vocab_size = self.manifest.target.image_vocab_size
         for produced, position in enumerate(positions):
             try:
                 raw = next(raws, None)
@@ -266,18 +277,24 @@ class ShardStream(IterableDataset):
                 yield from [None] * left
                 return
             try:
-                sample = decode_sample(raw, self.fields, self.manifest.num_tokens, path)
+                sample = decode_sample(raw, self.fields, self.manifest.num_tokens, path, vocab_size)
                 sample["__buffers__"] = raw.get("__buffers__", [])
                 yield sample
             except SampleError as error:  # this sample only
                 self._skip(error, 1, info.name, skipped)
                 yield None
+        if stop == info.num_samples:  # the shard's end: read on to its end-of-archive marker
+            try:
+                next(raws, None)
+            except ShardError as error:  # too many samples, or a damaged tail: the samples read are fine
+                self._skip(error, 0, info.name, skipped)
 
     def _skip(self, error: ShardError, count: int, shard: str, skipped: list[str]) -> None:
         """Raise under on_error="raise"; else warn and count `count` samples of `shard` as skipped."""
         if self.config.on_error == "raise":
-            raise ShardError(f"{error} (set on_error='skip' to train on without these samples)") from error
-        warnings.warn(f"skipping {count} sample(s): {error}", SkippedSamplesWarning, stacklevel=2)
+            raise type(error)(f"{error} (set on_error='skip' to train on without these samples)") from error
+        what = f"skipping {count} sample(s)" if count else "ignoring (its samples read fine)"
+        warnings.warn(f"{what}: {error}", SkippedSamplesWarning, stacklevel=2)
         skipped.extend([shard] * count)
 
 

@@ -1,4 +1,7 @@
-"""The shard format: schema, manifest and writer of extracted features (reading and validation: `data.shard_reader`).
+"""The shard format: sample layout, `.npy` members and the writer of extracted features.
+
+The manifest is `data.manifest`, the errors `data.errors` (both re-exported here), reading
+`data.shard_reader`, `--validate` `data.validate`.
 
 A dataset is a folder holding `manifest.json` and `shard-NNNNNN.tar` files (see design.md,
 "Shards"). Each shard is a WebDataset tar written with `webdataset.TarWriter`; a sample is one key
@@ -26,7 +29,9 @@ and no unpickling (safe and fastest, ecosystem.md section 3); any tool that read
 selectable. safetensors would add a JSON header per sample for the same zero-copy view.
 
 Reading uses a small ustar reader (`data.shard_reader.iter_tar_members`) instead of tarfile's stream
-mode (why: that module's docstring).
+mode (why: that module's docstring). Every sample the DataModule reads is checked as it is decoded:
+members, dtypes, shapes, lengths, NaN/Inf in the features and token ids within the target's image
+vocabulary (`manifest.target.image_vocab_size`).
 
 Shapes: L tokens of a sample (G, the image's token count, for every sample of the toy target),
 D hidden size.
@@ -37,27 +42,35 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import webdataset as wds
 
-SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
-"""Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
+from data.errors import DatasetError, ManifestError, ManifestNotFoundError, SampleError, ShardError
+from data.manifest import (
+    FEATURE_FIELDS,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    FieldSpec,
+    Manifest,
+    ShardInfo,
+    TargetIdentity,
+    field_widths,
+    load_manifest,
+)
+
+__all__ = [  # the manifest and the errors live in their own modules; importers of data.shards still find them
+    "BLOCK", "FEATURE_FIELDS", "MANIFEST_NAME", "SCHEMA_VERSION", "DatasetError", "FieldSpec", "Manifest",
+    "ManifestError", "ManifestNotFoundError", "SampleError", "ShardError", "ShardInfo", "ShardWriter",
+    "TargetIdentity", "decode_npy", "encode_npy", "field_widths", "load_manifest", "sample_key", "shard_name",
+    "write_atomic",
+]  # fmt: skip
+
 BLOCK = 512
-
-
-class ShardError(ValueError):
-    """A shard that cannot be read: corrupt, truncated, or not what the manifest says."""
-
-
-class SampleError(ShardError):
-    """One sample of an otherwise readable shard is malformed (missing member, wrong dtype or shape)."""
 
 
 def shard_name(index: int) -> str:
@@ -88,151 +101,36 @@ def encode_npy(array: np.ndarray) -> bytes:
 
 
 def decode_npy(data: bytes | memoryview) -> np.ndarray:
-    """A read-only array viewing the bytes of a `.npy` member (zero-copy; no pickle)."""
-    head = io.BytesIO(bytes(data[:BLOCK]) if len(data) > BLOCK else bytes(data))
-    version = np.lib.format.read_magic(head)
-    if version == (1, 0):
-        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head)
-    else:
-        head = io.BytesIO(bytes(data[: 1 << 16]))
-        np.lib.format.read_magic(head)
-        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head)
+    """A read-only array viewing the bytes of a `.npy` member (zero-copy; no pickle).
+
+    Raises:
+        ValueError: saying what is wrong (bad magic or header, object dtype, size mismatch), for any
+            bytes that are not one plain `.npy` array; the caller adds the file, key and field.
+    """
+    try:
+        head = io.BytesIO(bytes(data[:BLOCK]) if len(data) > BLOCK else bytes(data))
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            head = io.BytesIO(bytes(data[: 1 << 16]))
+            np.lib.format.read_magic(head)
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except Exception as error:  # numpy's header parser raises ValueError, SyntaxError, tokenize.TokenError, ...
+        raise ValueError(f"not a valid .npy array ({type(error).__name__}: {error})") from None
     if dtype.hasobject:
         raise ValueError("object arrays are not allowed in shards (they would need pickle)")
-    count = int(np.prod(shape, dtype=np.int64))
+    if dtype.itemsize == 0 or any(size < 0 for size in shape):
+        raise ValueError(f"not a valid .npy array (dtype {dtype}, shape {shape})")
+    count = math.prod(shape)
     if head.tell() + count * dtype.itemsize != len(data):
         raise ValueError(
             f"npy member holds {len(data) - head.tell()} data bytes, shape {shape} needs {count * dtype.itemsize}"
         )
     array = np.frombuffer(data, dtype=dtype, count=count, offset=head.tell())
     return array.reshape(shape[::-1]).T if fortran_order else array.reshape(shape)
-
-
-# ----------------------------------------------------------------------------- manifest
-
-
-@dataclass(frozen=True, kw_only=True)
-class TargetIdentity:
-    """What the features depend on: a dataset only fits a drafter trained for the same target."""
-
-    name: str
-    family: str
-    hidden_size: int
-    num_layers: int
-    aux_layer_ids: tuple[int, ...]
-    image_vocab_size: int
-    grid: tuple[int, int]
-    prefix_length: int
-
-    @classmethod
-    def from_target(cls, target: Any) -> TargetIdentity:
-        """The identity of an `ImageTarget`."""
-        return cls(
-            name=target.name,
-            family=target.family,
-            hidden_size=target.hidden_size,
-            num_layers=target.num_layers,
-            aux_layer_ids=tuple(target.aux_layer_ids),
-            image_vocab_size=target.image_vocab_size,
-            grid=tuple(target.geometry.grid),
-            prefix_length=target.prefix_length,
-        )
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TargetIdentity:
-        values = dict(values, aux_layer_ids=tuple(values["aux_layer_ids"]), grid=tuple(values["grid"]))
-        return cls(**values)
-
-    def mismatches(self, other: TargetIdentity) -> list[str]:
-        """`field: self=..., other=...` for every field that differs."""
-        mine, theirs = asdict(self), asdict(other)
-        return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """dtype and row width of one array field; `width` None means a 1-D (L,) array."""
-
-    dtype: str
-    width: int | None
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One finished shard."""
-
-    name: str
-    num_samples: int
-    sha256: str
-    num_bytes: int
-    first_index: int
-    """Global index of its first sample; its samples are first_index .. first_index + num_samples - 1."""
-
-
-@dataclass(kw_only=True)
-class Manifest:
-    """Everything a reader needs to trust a dataset folder without opening its shards."""
-
-    schema_version: int = SCHEMA_VERSION
-    target: TargetIdentity
-    sampling: dict[str, Any]
-    """The sampling settings and seeding rule extraction used."""
-    prompts: dict[str, Any]
-    """The prompt set's description (source, path, split, count, ...)."""
-    fields: dict[str, FieldSpec]
-    num_tokens: int
-    """G, the image tokens per image; a sample's length L never exceeds it."""
-    samples_per_shard: int
-    num_samples: int
-    shards: list[ShardInfo] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "manifest") -> Manifest:
-        version = values.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(
-                f"{source}: schema_version {version!r} is not {SCHEMA_VERSION}; re-extract the "
-                "dataset with this version of data/extract.py"
-            )
-        return cls(
-            schema_version=version,
-            target=TargetIdentity.from_dict(values["target"]),
-            sampling=values["sampling"],
-            prompts=values["prompts"],
-            fields={k: FieldSpec(**v) for k, v in values["fields"].items()},
-            num_tokens=values["num_tokens"],
-            samples_per_shard=values["samples_per_shard"],
-            num_samples=values["num_samples"],
-            shards=[ShardInfo(**s) for s in values.get("shards", [])],
-        )
-
-    def check_target(self, expected: TargetIdentity, source: str = "manifest") -> None:
-        """Raise if the dataset was extracted from another target than `expected`."""
-        problems = self.target.mismatches(expected)
-        if problems:
-            raise ValueError(
-                f"{source} was extracted from a different target than the one configured "
-                f"(manifest vs configured): {'; '.join(problems)}. Extract features for this "
-                "target, or configure the target the dataset was made with"
-            )
-
-
-def load_manifest(folder: str | Path) -> Manifest:
-    """The manifest of a dataset folder."""
-    path = Path(folder) / MANIFEST_NAME
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} does not exist: extraction has not finished (run `python -m data.extract "
-            f"--merge {folder}` once every rank is done) or the folder is not a dataset"
-        )
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
-    return Manifest.from_dict(values, source=str(path))
 
 
 # ----------------------------------------------------------------------------- writing

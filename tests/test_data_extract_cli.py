@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from data.shard_reader import iter_raw_samples, validate_dataset
+from data.shard_reader import iter_raw_samples
 from data.shards import load_manifest
+from data.validate import validate_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 EXTRACT_TINY = REPO / "tests" / "scripts" / "extract_tiny.py"
@@ -77,3 +79,26 @@ def test_two_ranks_under_torchrun_split_the_prompts_and_merge_the_manifest(refer
     sidecars = [json.loads(p.read_text()) for p in sorted((out / ".extract").glob("shard-*.json"))]
     assert [s["first_index"] for s in sidecars] == [0, 4, 8]
     assert load_manifest(out).shards == load_manifest(reference).shards
+
+
+@pytest.mark.parametrize("name", ["extract_toy", "extract_janus", "extract_llamagen", "extract_lumina"])
+def test_every_extraction_recipe_parses_and_prints_its_resolved_config(name, capsys):
+    from data.extract import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    assert main(["--config", str(config), "--prompts.count", "16", "--batch_size=2", "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    recipe = yaml.safe_load(config.read_text())
+    assert printed["target"] == recipe["target"] and printed["out_dir"] == recipe["out_dir"]
+    assert printed["prompts"]["count"] == 16 and printed["batch_size"] == 2  # both override styles applied
+    assert printed["store_aux"] and printed["store_uncond"]
+
+
+def test_a_dotted_flag_without_value_or_an_unknown_key_is_an_error(capsys):
+    from data.extract import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "extract_toy.yaml"
+    assert main(["--config", str(config), "--prompts.count", "--print_config"]) == 1
+    assert "--prompts.count needs a value" in capsys.readouterr().err
+    assert main(["--config", str(config), "--prompt.count", "3", "--print_config"]) == 1
+    assert "unknown key(s) ['prompt']" in capsys.readouterr().err

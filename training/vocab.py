@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from data.shard_reader import iter_raw_samples
+from data.errors import SampleError
+from data.shard_reader import iter_raw_samples, value_problem
 from data.shards import decode_npy, load_manifest
 from models.eagle import vocab_map_from_counts
 
@@ -39,7 +40,11 @@ def count_image_tokens(folder: str | Path, progress: bool = True) -> Tensor:
     counts = np.zeros(manifest.target.image_vocab_size, dtype=np.int64)
     for shard in tqdm(manifest.shards, desc="counting tokens", unit="shard", disable=not progress):
         for raw in iter_raw_samples(folder / shard.name, suffixes={"tokens.npy"}):
-            counts += np.bincount(decode_npy(raw["tokens.npy"]).astype(np.int64), minlength=counts.shape[0])
+            tokens = decode_npy(raw["tokens.npy"])  # (L,) image token ids
+            problem = value_problem(tokens, counts.shape[0])
+            if problem is not None:  # bincount would crash on a negative id or grow on one >= V
+                raise SampleError(f"{folder / shard.name}: sample {raw['__key__']}, field 'tokens': {problem}")
+            counts += np.bincount(tokens.astype(np.int64), minlength=counts.shape[0])
     return torch.from_numpy(counts)
 
 

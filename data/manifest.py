@@ -1,0 +1,345 @@
+"""The manifest of a dataset folder: what it holds, read field by field with every field's type checked.
+
+`manifest.json` (design.md, "Shards") names the schema version, the target the features come from
+(`TargetIdentity`: hidden size, EAGLE-3 layer ids, image vocabulary, grid), the sampling settings
+and prompt set, the array fields with their dtypes and widths, and every shard with its sample count,
+sha256, size and first global sample index.
+
+Reading checks each field where it is read and raises `ManifestError` naming the file and the field
+(`target.hidden_size`, `shards[3].name`) with what was found and what was expected, so a damaged or
+hand-edited manifest never surfaces as a bare KeyError or TypeError deep in training. Shard names
+must be relative paths that stay inside the dataset folder. Checks that relate fields to each other
+(widths against the target, counts, overlapping index ranges) are `Manifest.consistency_problems`,
+which both `--validate` and the DataModule apply.
+
+The image vocabulary size that bounds the stored token ids is `target.image_vocab_size`; it has been
+part of the target identity since schema version 1, so every manifest carries it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from data.errors import ManifestError, ManifestNotFoundError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
+"""Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
+TOKEN_DTYPES = ("int16", "int32", "int64")
+FLOAT_DTYPES = ("float16", "float32")
+
+
+def _fix(source: str) -> str:
+    """How to repair a damaged manifest: merge rewrites it from the job file and per-shard sidecars of extraction."""
+    path = Path(source)
+    if path.name != MANIFEST_NAME:
+        return "re-extract the dataset"
+    return f"rewrite it with `python -m data.extract --merge {path.parent}` (needs its .extract/ folder) or re-extract"
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _kind(value: Any) -> str:
+    """`'x' (a string)`: a value and its JSON type, for messages."""
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    kinds[dict] = "an object"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"{shown} ({kinds.get(type(value), 'null' if value is None else type(value).__name__)})"
+
+
+class _Fields:
+    """Typed reads from one JSON object of a manifest, each failure naming the file and the field's path."""
+
+    def __init__(self, values: Any, source: str, where: str) -> None:
+        self.source, self.where = source, where
+        if not isinstance(values, dict):
+            raise self.error(f"{where or 'the top level'} is {_kind(values)}, expected a JSON object")
+        self.values: dict[str, Any] = values
+
+    def error(self, message: str) -> ManifestError:
+        return ManifestError(f"{self.source}: {message}; {_fix(self.source)}")
+
+    def path(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key not in self.values:
+            if default is not ...:
+                return default
+            raise self.error(f"lacks the field {self.path(key)!r}")
+        return self.values[key]
+
+    def integer(self, key: str, minimum: int = 0) -> int:
+        value = self.get(key)
+        if type(value) is not int or value < minimum:
+            raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected an integer >= {minimum}")
+        return value
+
+    def string(self, key: str) -> str:
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected a string")
+        return value
+
+    def obj(self, key: str) -> dict[str, Any]:
+        value = self.get(key)
+        if not isinstance(value, dict):
+            raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected a JSON object")
+        return value
+
+    def integers(self, key: str, minimum: int = 0, length: int | None = None) -> tuple[int, ...]:
+        value = self.get(key)
+        ok = isinstance(value, list) and all(type(v) is int and v >= minimum for v in value)
+        if not ok or (length is not None and len(value) != length):
+            count = "a list" if length is None else f"a list of {length}"
+            raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected {count} integers >= {minimum}")
+        return tuple(value)
+
+    def no_others(self, known: tuple[str, ...]) -> None:
+        unknown = sorted(set(self.values) - set(known))
+        if unknown:
+            where = f"{self.where!r}" if self.where else "the manifest"
+            raise self.error(
+                f"{where} has unknown field(s) {unknown} (known: {', '.join(known)}); was it written by another "
+                "version of data/extract.py?"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetIdentity:
+    """What the features depend on: a dataset only fits a drafter trained for the same target."""
+
+    name: str
+    family: str
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: tuple[int, ...]
+    image_vocab_size: int
+    """V: every stored token id lies in 0..V-1."""
+    grid: tuple[int, int]
+    prefix_length: int
+
+    @classmethod
+    def from_target(cls, target: Any) -> TargetIdentity:
+        """The identity of an `ImageTarget`."""
+        return cls(
+            name=target.name,
+            family=target.family,
+            hidden_size=target.hidden_size,
+            num_layers=target.num_layers,
+            aux_layer_ids=tuple(target.aux_layer_ids),
+            image_vocab_size=target.image_vocab_size,
+            grid=tuple(target.geometry.grid),
+            prefix_length=target.prefix_length,
+        )
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str = "manifest", where: str = "target") -> TargetIdentity:
+        """Parse and type-check the manifest's `target` object (ManifestError naming `source` and the field)."""
+        read = _Fields(values, source, where)
+        read.no_others(tuple(cls.__dataclass_fields__))
+        grid = read.integers("grid", minimum=1, length=2)
+        return cls(
+            name=read.string("name"),
+            family=read.string("family"),
+            hidden_size=read.integer("hidden_size", minimum=1),
+            num_layers=read.integer("num_layers", minimum=1),
+            aux_layer_ids=read.integers("aux_layer_ids"),
+            image_vocab_size=read.integer("image_vocab_size", minimum=1),
+            grid=(grid[0], grid[1]),
+            prefix_length=read.integer("prefix_length"),
+        )
+
+    def mismatches(self, other: TargetIdentity) -> list[str]:
+        """`field: self=..., other=...` for every field that differs."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """dtype and row width of one array field; `width` None means a 1-D (L,) array."""
+
+    dtype: str
+    width: int | None
+
+    @classmethod
+    def from_dict(cls, name: str, values: Any, source: str) -> FieldSpec:
+        """Parse `fields.<name>`: tokens are 1-D integers, every other field (L, width) floats."""
+        read = _Fields(values, source, f"fields.{name}")
+        read.no_others(("dtype", "width"))
+        dtype, width = read.string("dtype"), read.get("width")
+        allowed = TOKEN_DTYPES if name == "tokens" else FLOAT_DTYPES
+        if dtype not in allowed:
+            raise read.error(f"field 'fields.{name}.dtype' is {dtype!r}, expected one of {', '.join(allowed)}")
+        if name == "tokens" and width is not None:
+            raise read.error(f"field 'fields.tokens.width' is {_kind(width)}, expected null (tokens are 1-D)")
+        if name != "tokens":
+            read.integer("width", minimum=1)
+        return cls(dtype, width)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One finished shard."""
+
+    name: str
+    """Its path relative to the dataset folder (a plain file name, as extraction writes it)."""
+    num_samples: int
+    sha256: str
+    num_bytes: int
+    first_index: int
+    """Global index of its first sample; its samples are first_index .. first_index + num_samples - 1."""
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str, where: str = "shard") -> ShardInfo:
+        """Parse one shard entry; its name must be a relative path that stays inside the dataset folder."""
+        read = _Fields(values, source, where)
+        read.no_others(tuple(cls.__dataclass_fields__))
+        name = read.string("name")
+        parts = PurePosixPath(name).parts
+        if not parts or name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or ":" in parts[0]:
+            raise read.error(
+                f"field '{where}.name' is {name!r}: shard paths must be relative and stay inside the dataset "
+                "folder (move the shard into it and list it by its file name)"
+            )
+        sha256 = read.string("sha256")
+        if not _SHA256.fullmatch(sha256):
+            raise read.error(f"field '{where}.sha256' is {_kind(sha256)}, expected 64 lowercase hex digits")
+        return cls(
+            name=name,
+            num_samples=read.integer("num_samples"),
+            sha256=sha256,
+            num_bytes=read.integer("num_bytes"),
+            first_index=read.integer("first_index"),
+        )
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """Everything a reader needs to trust a dataset folder without opening its shards."""
+
+    schema_version: int = SCHEMA_VERSION
+    target: TargetIdentity
+    sampling: dict[str, Any]
+    """The sampling settings and seeding rule extraction used."""
+    prompts: dict[str, Any]
+    """The prompt set's description (source, path, split, count, ...)."""
+    fields: dict[str, FieldSpec]
+    num_tokens: int
+    """G, the image tokens per image; a sample's length L never exceeds it."""
+    samples_per_shard: int
+    num_samples: int
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str = "manifest") -> Manifest:
+        """Parse and type-check a whole manifest; ManifestError names `source` and the first bad field."""
+        read = _Fields(values, source, "")
+        version = read.get("schema_version", None)
+        if version != SCHEMA_VERSION:
+            raise ManifestError(
+                f"{source}: schema_version {version!r} is not {SCHEMA_VERSION}; re-extract the "
+                "dataset with this version of data/extract.py"
+            )
+        read.no_others(tuple(cls.__dataclass_fields__))
+        fields = {}
+        for name, spec in read.obj("fields").items():
+            if name not in FEATURE_FIELDS:
+                known = ", ".join(FEATURE_FIELDS)
+                raise read.error(f"'fields' lists the unknown field {name!r} (known fields: {known})")
+            fields[name] = FieldSpec.from_dict(name, spec, source)
+        for name in ("tokens", "hidden"):
+            if name not in fields:
+                raise read.error(f"'fields' lacks the required field {name!r}")
+        shards = read.get("shards", [])
+        if not isinstance(shards, list):
+            raise read.error(f"field 'shards' is {_kind(shards)}, expected a list")
+        infos = [ShardInfo.from_dict(entry, source, f"shards[{i}]") for i, entry in enumerate(shards)]
+        names = [info.name for info in infos]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise read.error(f"'shards' lists {twice} more than once")
+        return cls(
+            schema_version=version,
+            target=TargetIdentity.from_dict(read.get("target"), source),
+            sampling=read.obj("sampling"),
+            prompts=read.obj("prompts"),
+            fields=fields,
+            num_tokens=read.integer("num_tokens", minimum=1),
+            samples_per_shard=read.integer("samples_per_shard", minimum=1),
+            num_samples=read.integer("num_samples"),
+            shards=infos,
+        )
+
+    def consistency_problems(self, source: str) -> list[str]:
+        """What contradicts itself: field widths against the target, shard counts, overlapping sample ranges."""
+        widths, problems = field_widths(self.target), []
+        for name, spec in self.fields.items():
+            if spec.width != widths[name]:
+                problems.append(f"{source}: field {name!r} has width {spec.width}, its target needs {widths[name]}")
+        total = sum(s.num_samples for s in self.shards)
+        if total != self.num_samples:
+            problems.append(f"{source}: shard counts sum to {total}, num_samples says {self.num_samples}")
+        spans = sorted((s.first_index, s.first_index + s.num_samples, s.name) for s in self.shards if s.num_samples)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                problems.append(
+                    f"{source}: shards {first} and {second} both claim sample {start} (their first_index and "
+                    "num_samples overlap), so sample keys would repeat"
+                )
+        return problems
+
+    def check_consistent(self, source: str) -> None:
+        """Raise ManifestError listing `consistency_problems`, if any."""
+        problems = self.consistency_problems(source)
+        if problems:
+            raise ManifestError("; ".join(problems) + f"; {_fix(source)}")
+
+    def check_target(self, expected: TargetIdentity, source: str = "manifest") -> None:
+        """Raise if the dataset was extracted from another target than `expected`."""
+        problems = self.target.mismatches(expected)
+        if problems:
+            raise ManifestError(
+                f"{source} was extracted from a different target than the one configured "
+                f"(manifest vs configured): {'; '.join(problems)}. Extract features for this "
+                "target, or configure the target the dataset was made with"
+            )
+
+
+def field_widths(target: TargetIdentity) -> dict[str, int | None]:
+    """The row width of every field of FEATURE_FIELDS for a target (None: a 1-D field)."""
+    hidden, aux = target.hidden_size, len(target.aux_layer_ids) * target.hidden_size
+    return {"tokens": None, "hidden": hidden, "aux": aux, "uncond_hidden": hidden, "uncond_aux": aux}
+
+
+def load_manifest(folder: str | Path) -> Manifest:
+    """The manifest of a dataset folder, every field type-checked (ManifestError naming the file otherwise)."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.exists():
+        raise ManifestNotFoundError(
+            f"{path} does not exist: extraction has not finished (run `python -m data.extract "
+            f"--merge {folder}` once every rank is done) or the folder is not a dataset"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ManifestError(f"{path}: cannot be read ({error.strerror or error}); it must be a readable file") from None
+    if data[:2] == b"\x1f\x8b":
+        raise ManifestError(f"{path}: is gzip-compressed; store it as plain JSON (gunzip it)")
+    try:
+        values = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ManifestError(f"{path}: is not UTF-8 text (byte {error.start}); {_fix(str(path))}") from None
+    except json.JSONDecodeError as error:
+        raise ManifestError(f"{path}: is not valid JSON: {error}; {_fix(str(path))}") from None
+    return Manifest.from_dict(values, source=str(path))

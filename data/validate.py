@@ -1,0 +1,104 @@
+"""`--validate`: re-read every byte of a dataset folder and list everything wrong with it.
+
+    python -m data.extract --validate shards/toy
+
+Checks the manifest (every field's type, shard paths inside the folder, widths against the target,
+counts, overlapping sample ranges), then every shard: that it exists and is a plain tar, its sha256,
+size and sample count against the manifest, that its keys are the global sample indices the
+manifest gives it in order and unique in the dataset, and every sample as the DataModule decodes it
+(`decode_sample`: members, dtypes, shapes, lengths, NaN/Inf, token ids within the image vocabulary)
+plus its metadata. Unlike the DataModule, which stops at the first problem, it goes on and reports
+them all, each naming the file (and key and field).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from data.errors import DatasetError
+from data.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
+from data.shard_reader import decode_sample, iter_raw_samples
+from data.shards import SampleError, ShardError, sample_key
+
+_META_TYPES = {"index": int, "prompt_id": str, "prompt": str, "seed": int}
+"""What every sample's json holds (besides e.g. length and batch_row), with its type."""
+
+
+def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bool = True) -> dict[str, int]:
+    """Re-read every shard of a dataset: sha256, counts, keys, fields, dtypes, shapes and values.
+
+    Every field the manifest lists (FEATURE_FIELDS: the optional aux, uncond_hidden and uncond_aux
+    too) is decoded and, with `check_finite`, checked for NaN/Inf in every sample, and token ids for
+    the target's image vocabulary 0..V-1.
+
+    Returns:
+        {"shards": ..., "samples": ..., "bytes": ...} when everything checks out.
+
+    Raises:
+        ManifestError: naming the manifest and the field, if the manifest cannot be read at all.
+        DatasetError: listing every problem found, each naming the file (and key and field).
+    """
+    from tqdm import tqdm
+
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    problems = manifest.consistency_problems(str(folder / MANIFEST_NAME))
+    seen: set[str] = set()
+    total_samples = total_bytes = 0
+    for info in tqdm(manifest.shards, desc="validate", unit="shard", disable=not progress):
+        path = folder / info.name
+        sha256, count = hashlib.sha256(), 0
+        try:
+            for position, raw in enumerate(iter_raw_samples(path, sha256)):
+                problems += _check_sample(raw, position, info, path, manifest, seen, check_finite)
+                count += 1
+        except ShardError as error:  # the rest of the shard cannot be read
+            problems.append(str(error))
+            continue
+        total_samples, total_bytes = total_samples + count, total_bytes + path.stat().st_size
+        if sha256.hexdigest() != info.sha256:
+            problems.append(f"{path}: sha256 {sha256.hexdigest()} differs from the manifest's {info.sha256}")
+        if path.stat().st_size != info.num_bytes:
+            problems.append(f"{path}: holds {path.stat().st_size} bytes, the manifest says {info.num_bytes}")
+        if count != info.num_samples:
+            problems.append(f"{path}: holds {count} samples, the manifest says {info.num_samples}")
+    if problems:
+        shown = "\n  ".join(problems[:50]) + (f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else "")
+        raise DatasetError(f"{folder}: {len(problems)} problem(s):\n  {shown}")
+    return {"shards": len(manifest.shards), "samples": total_samples, "bytes": total_bytes}
+
+
+def _check_sample(
+    raw: dict[str, Any],
+    position: int,
+    info: ShardInfo,
+    path: Path,
+    manifest: Manifest,
+    seen: set[str],
+    check_values: bool,
+) -> list[str]:
+    """The problems of the sample at `position` (0 = the shard's first) of one shard."""
+    key, problems = raw["__key__"], []
+    expected = sample_key(info.first_index + position)
+    if key != expected:
+        problems.append(f"{path}: found sample {key!r} where the manifest puts {expected} (first_index + position)")
+    if key in seen:
+        problems.append(f"{path}: sample {key} appears more than once in the dataset")
+    seen.add(key)
+    try:
+        sample = decode_sample(
+            raw, manifest.fields, manifest.num_tokens, str(path), manifest.target.image_vocab_size, check_values
+        )
+    except SampleError as error:
+        return [*problems, str(error)]
+    meta = sample["meta"]
+    for name, kind in _META_TYPES.items():
+        if name not in meta:
+            problems.append(f"{path}: sample {key}, field 'json': lacks {name!r}")
+        elif type(meta[name]) is not kind:
+            problems.append(f"{path}: sample {key}, field 'json': {name!r} is {meta[name]!r}, expected {kind.__name__}")
+    if type(meta.get("index")) is int and sample_key(meta["index"]) != key:
+        problems.append(f"{path}: sample {key}, field 'json': index {meta['index']} does not match the key")
+    return problems
