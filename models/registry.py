@@ -8,6 +8,8 @@ target = load_target("llamagen-xl", gpt_checkpoint="/models/t2i_XL_stage2_512.pt
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -72,3 +74,16 @@ def load_target(name: str, **kwargs: object) -> ImageTarget:
 
         return random_target(name, random_weights, kwargs.get("dtype"), kwargs.get("device"))  # type: ignore[arg-type]
     return TARGET_LOADERS[name](**kwargs)
+
+
+def shared_target(name: str, options: dict[str, Any] | None = None) -> ImageTarget:
+    """One target instance per process, name and loader options, shared by the DataModule and the LightningModule."""
+    return _shared_target(name, json.dumps(options or {}, sort_keys=True))
+
+
+@functools.cache
+def _shared_target(name: str, options: str) -> ImageTarget:
+    return load_target(name, **json.loads(options))
+
+
+shared_target.cache_clear = _shared_target.cache_clear  # type: ignore[attr-defined]

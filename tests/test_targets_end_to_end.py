@@ -14,6 +14,7 @@ from test_target_janus import build_tiny_janus
 from test_target_llamagen_t2i import build_target as build_tiny_llamagen
 from test_target_lumina import GRID, build_tiny_lumina, tiny_decoder
 
+from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
 from inference.autoregressive import generate_ar
@@ -23,8 +24,9 @@ from inference.verify import ExactRule
 from models import registry
 from models.janus import JanusTarget
 from models.lumina import LuminaTarget
+from models.registry import shared_target
 from training.objective import ObjectiveConfig
-from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig, shared_target
+from training.system import DrafterSystem, OptimizerConfig
 
 
 def tiny_janus() -> JanusTarget:

@@ -9,9 +9,10 @@ import warnings
 import pytest
 import torch
 
+from models.registry import shared_target
 from training import bench
 from training.objective import drafter_objective
-from training.system import DrafterSystem, OptimizerConfig, shared_target
+from training.system import DrafterSystem, OptimizerConfig
 
 
 @pytest.fixture(autouse=True)

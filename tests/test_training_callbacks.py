@@ -9,12 +9,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
 from models import registry
+from models.registry import shared_target
 from training.callbacks import DecodeValidation
 from training.objective import ObjectiveConfig
-from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig, shared_target
+from training.system import DrafterSystem, OptimizerConfig
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,13 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
+from data.drafter_data import DrafterDataModule
 from models import registry
 from models.eagle import EagleDraftModel
+from models.registry import shared_target
 from training import convert
 from training.objective import ObjectiveConfig
-from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig, shared_target
+from training.system import DrafterSystem, OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"

@@ -36,9 +36,9 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import ExactRule
 from models import registry
 from models.eagle import EagleDraftModel, drafter_preset
+from models.registry import shared_target
 from training.checkpoints import drafter_from_checkpoint
 from training.export import ExportError, check_serving_layout, export_drafter, main, serving_weight_names
-from training.system import shared_target
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DECODER = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)

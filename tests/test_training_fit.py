@@ -19,10 +19,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from data.drafter_data import resolve_config_path
 from data.extract import load_config, run_extraction
 from data.shards import load_manifest
 from training.fit import build_cli, check_config, main, resolve_config_names
-from training.system import resolve_config_path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -16,11 +16,12 @@ import pytest
 import torch
 import yaml
 
+from data.drafter_data import resolve_config_path
 from inference.eagle import check_compatible
 from models.eagle import EagleDraftModel
 from models.random_weights import random_target
+from models.registry import shared_target
 from training.fit import check_config, main
-from training.system import resolve_config_path, shared_target
 
 pytest.importorskip("transformers")
 

@@ -3,17 +3,21 @@ run's losses step for step (same batches, same noise, same optimizer and schedul
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
 from conftest import build_tiny_toy_target
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
 from models import registry
+from models.registry import shared_target
 from training.objective import ObjectiveConfig
-from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig, shared_target
+from training.system import DrafterSystem, OptimizerConfig
 
 MAX_STEPS = 10
 INTERRUPT_AT = 3  # mid-epoch: 12 samples, batch 2 -> 6 steps per epoch; resumed runs cross an epoch boundary
@@ -105,16 +109,16 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(tiny_dataset, tmp_path)
 def test_reduced_vocabulary_is_counted_on_the_shards_and_a_stale_map_is_refused(tiny_dataset, tmp_path):
     from training.vocab import count_image_tokens, dataset_fingerprint
 
-    def system() -> DrafterSystem:
+    def system(vocab_dir: Path) -> DrafterSystem:
         return DrafterSystem(target="tiny-toy", architecture="eagle3", preset="tiny", drafter={"draft_vocab_size": 16},
-                             objective=ObjectiveConfig(ttt_steps=2))  # fmt: skip
+                             objective=ObjectiveConfig(ttt_steps=2), vocab_dir=str(vocab_dir))  # fmt: skip
 
     def trainer(steps: int) -> L.Trainer:
         checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
         return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[checkpoint])  # fmt: skip
 
-    first = system()
+    first = system(tiny_dataset)
     trainer(2).fit(first, datamodule=DrafterDataModule(train_dir=str(tiny_dataset), batch_size=2, target="tiny-toy"))
     counts = count_image_tokens(tiny_dataset, progress=False)
     kept = torch.arange(16) + first.drafter.d2t
@@ -128,4 +132,4 @@ def test_reduced_vocabulary_is_counted_on_the_shards_and_a_stale_map_is_refused(
     run_extraction(config, target=shared_target("tiny-toy"), rank=0, world_size=1, progress=False)
     data = DrafterDataModule(train_dir=str(other), batch_size=2, target="tiny-toy")
     with pytest.raises(ValueError, match="counted on another dataset"):
-        trainer(4).fit(system(), datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+        trainer(4).fit(system(other), datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))

@@ -19,9 +19,10 @@ import pytest
 import torch
 from test_training_fit import ENV, REPO, tiny_dataset, tiny_run_config, write_yaml  # noqa: F401 (fixture)
 
+from data.drafter_data import DrafterDataModule
 from training.fit import ExportDrafter, main
 from training.run_folder import RunFolderError, plan_run
-from training.system import DrafterDataModule, DrafterSystem
+from training.system import DrafterSystem
 
 
 @pytest.fixture(autouse=True)

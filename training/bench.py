@@ -47,9 +47,10 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 
 from models.eagle import count_parameters
+from models.registry import shared_target
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, drafter_objective
-from training.system import DrafterSystem, OptimizerConfig, lr_factor, shared_target
+from training.system import DrafterSystem, OptimizerConfig, lr_factor
 
 GOAL = 1.10
 GRADIENT_CLIP = 0.5

@@ -6,7 +6,7 @@
     python training/fit.py --config demo --print_config           # the resolved config
 
 LightningCLI (jsonargparse) reads the YAML's `trainer`, `model` (DrafterSystem), `data`
-(DrafterDataModule) and `checkpoint` (ModelCheckpoint) sections; any key can be overridden with a
+(data.drafter_data.DrafterDataModule) and `checkpoint` (ModelCheckpoint) sections; any key can be overridden with a
 dotted flag, and an unknown key is an error that names it. A bare config name resolves in
 `configs/`. The run directory is chosen before anything is written (`training.run_folder`: a new
 `version_N` per run, `--ckpt_path last` = the newest run's last.ckpt, an explicit version that holds a
@@ -31,9 +31,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE as RICH_AVAILABLE
 
+from data.drafter_data import DrafterDataModule, resolve_config_path
 from training.callbacks import StepBoundedProgressBar
 from training.run_folder import RunFolderError, RunPlan, plan_run
-from training.system import DrafterDataModule, DrafterSystem, resolve_config_path
+from training.system import DrafterSystem
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -94,6 +95,9 @@ class DrafterCLI(LightningCLI):
         )
         parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
         parser.link_arguments("checkpoint.every_n_train_steps", "last_checkpoint.every_n_train_steps")
+        parser.link_arguments(
+            "data.train_dir", "model.vocab_dir"
+        )  # a reduced draft vocabulary counts the training data
         parser.link_arguments("model.target", "data.target")
         parser.link_arguments("model.target_options", "data.target_options")
         parser.add_argument(

@@ -1,8 +1,12 @@
-"""The drafter LightningModule and DataModule: a thin system around drafter + frozen target.
+"""The drafter LightningModule: a thin system around drafter + frozen target.
 
     system = DrafterSystem(target="toy", architecture="eagle3", preset="toy")
-    data = DrafterDataModule(train_dir="outputs/shards/toy", target="toy", num_val_shards=1)
+    data = DrafterDataModule(train_dir="outputs/shards/toy", target="toy", num_val_shards=1)  # data.drafter_data
     Trainer(max_steps=200).fit(system, datamodule=data)
+
+A reduced draft vocabulary (`drafter.draft_vocab_size` < the image vocabulary) is counted on the
+dataset given as `vocab_dir` (fit.py links it to `data.train_dir`); the module never reaches into the
+trainer's data module for it.
 
 The drafter (`models.eagle.EagleDraftModel`) is built in `configure_model` from its config alone,
 so checkpoints load without the target, and strategies that shard parameters (DeepSpeed ZeRO-3)
@@ -20,7 +24,6 @@ train/tokens_per_s, train/grad_norm, lr (LearningRateMonitor), val/loss, val/acc
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -32,30 +35,14 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
-from data.data_config import DataConfig
-from data.datamodule import FeatureDataModule
-from data.shards import TargetIdentity
 from inference.eagle import check_compatible
 from models.eagle import EagleDraftModel, count_parameters, drafter_preset
-from models.registry import load_target
+from models.registry import shared_target
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
 from training.vocab import build_vocab_map
 
 SCHEDULES = ("cosine", "linear", "constant")
-
-
-def shared_target(name: str, options: dict[str, Any] | None = None) -> ImageTarget:
-    """One target instance per process, name and loader options, shared by the DataModule and the LightningModule."""
-    return _shared_target(name, json.dumps(options or {}, sort_keys=True))
-
-
-@functools.cache
-def _shared_target(name: str, options: str) -> ImageTarget:
-    return load_target(name, **json.loads(options))
-
-
-shared_target.cache_clear = _shared_target.cache_clear  # type: ignore[attr-defined]
 
 
 @dataclass(kw_only=True)
@@ -102,6 +89,8 @@ class DrafterSystem(L.LightningModule):
         objective: the loss recipe.
         optimizer: AdamW and its schedule.
         seed: seeds the weights and every step's noise.
+        vocab_dir: the dataset whose token counts choose a reduced draft vocabulary (the training data;
+            fit.py links data.train_dir); needed only when draft_vocab_size < the image vocabulary.
     """
 
     def __init__(
@@ -114,8 +103,10 @@ class DrafterSystem(L.LightningModule):
         objective: ObjectiveConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         seed: int = 0,
+        vocab_dir: str | None = None,
     ) -> None:
         super().__init__()
+        self.vocab_dir = vocab_dir
         self.target_name = target
         self.target_options = dict(target_options or {})
         self.drafter_config = drafter_preset(preset, architecture, **(drafter or {}))
@@ -169,17 +160,19 @@ class DrafterSystem(L.LightningModule):
             self._prepare_vocab_map()
 
     def _prepare_vocab_map(self) -> None:
-        """Build the reduced vocabulary from the training shards (fresh runs) or check its key (resumed runs)."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is None:
-            raise ValueError("a reduced draft vocabulary is counted on the training shards: use a DrafterDataModule")
-        train_dir = datamodule.config.train_dir
-        d2t, t2d, key, coverage = build_vocab_map(train_dir, self.drafter_config.draft_vocab)
+        """Build the reduced vocabulary from `vocab_dir` (fresh runs; a resumed run's key is checked on load)."""
+        if self.vocab_dir is None:
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.drafter_config.draft_vocab} < the image vocabulary "
+                f"{self.drafter_config.vocab_size}: the reduced vocabulary is counted on the training data, so pass "
+                "DrafterSystem(vocab_dir=<train_dir>) (training/fit.py links data.train_dir to it)"
+            )
+        d2t, t2d, key, coverage = build_vocab_map(self.vocab_dir, self.drafter_config.draft_vocab)
         self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
         self._vocab_key = key
         self.drafter_config = replace(self.drafter_config, vocab_map_key=key)
         self.drafter.config = self.drafter_config
-        print(f"draft vocabulary: {self.drafter_config.draft_vocab} tokens cover {coverage:.1%} of {train_dir}")
+        print(f"draft vocabulary: {self.drafter_config.draft_vocab} tokens cover {coverage:.1%} of {self.vocab_dir}")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["drafter_config"] = asdict(self.drafter.config)
@@ -303,98 +296,3 @@ class DrafterSystem(L.LightningModule):
     def export_drafter(self, folder: str | Path) -> Path:
         """Write the drafter alone (config.json + model.safetensors), loadable by `inference.eagle.EagleDrafter`."""
         return self.drafter.save_pretrained(folder)
-
-
-class DrafterDataModule(FeatureDataModule):
-    """The feature stream for drafter training, configured by plain arguments (for YAML / LightningCLI).
-
-    With `extract_config` set, a missing dataset is extracted first (`prepare_data`, once per node),
-    so `python training/fit.py --config demo` runs on a fresh machine.
-
-    Args:
-        train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
-            load_uncond, on_error: see `data.data_config.DataConfig`.
-        target: registry name of the target the features must come from (linked to model.target by fit.py).
-        target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
-        extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
-        extract_overrides: key=value overrides for that extraction (e.g. prompts.count=512).
-    """
-
-    def __init__(
-        self,
-        train_dir: str,
-        val_dir: str | None = None,
-        num_val_shards: int = 0,
-        batch_size: int = 8,
-        num_workers: int = 0,
-        shuffle_buffer: int = 16,
-        seed: int = 0,
-        load_aux: bool = True,
-        load_uncond: bool = False,
-        on_error: str = "raise",
-        target: str = "toy",
-        target_options: dict[str, Any] | None = None,
-        extract_config: str | None = None,
-        extract_overrides: list[str] | None = None,
-    ) -> None:
-        config = DataConfig(
-            train_dir=train_dir,
-            val_dir=val_dir,
-            num_val_shards=num_val_shards,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            shuffle_buffer=shuffle_buffer,
-            seed=seed,
-            load_aux=load_aux,
-            load_uncond=load_uncond,
-            on_error=on_error,
-        )
-        L.LightningDataModule.__init__(self)  # FeatureDataModule's init wants the target; it loads in setup
-        self.config = config
-        self.target = None  # type: ignore[assignment]
-        self.train_stream = self.val_stream = None
-        self.target_name = target
-        self.target_options = dict(target_options or {})
-        self.extract_config = extract_config
-        self.extract_overrides = list(extract_overrides or [])
-
-    def prepare_data(self) -> None:
-        manifest = Path(self.config.train_dir) / "manifest.json"
-        if manifest.exists():
-            return
-        if self.extract_config is None:
-            raise FileNotFoundError(
-                f"{manifest} not found: extract features first (python -m data.extract --config ...) "
-                "or set data.extract_config to extract them automatically"
-            )
-        from data.extract import load_config, run_extraction
-
-        overrides = [f"out_dir={self.config.train_dir}", f"target={self.target_name}", *self.extract_overrides]
-        config = load_config(resolve_config_path(self.extract_config), overrides)
-        print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
-        target = shared_target(self.target_name, self.target_options)
-        if run_extraction(config, target, rank=0, world_size=1) is None:
-            raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
-            self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
-        super().setup(stage)
-        # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream
-        # (batch_size=None) lacks: state it before the strategy formats its config (which runs after setup).
-        config = getattr(getattr(self.trainer, "strategy", None), "config", None)
-        if isinstance(config, dict) and "zero_optimization" in config:
-            config.setdefault("train_micro_batch_size_per_gpu", self.config.batch_size)
-
-
-def resolve_config_path(name: str | Path) -> Path:
-    """A config file path, or a bare name looked up in the repository's `configs/` (`demo` -> configs/demo.yaml)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    configs = Path(__file__).resolve().parent.parent / "configs"
-    for candidate in (configs / path, configs / f"{path}.yaml", configs / f"{path}.yml"):
-        if candidate.is_file():
-            return candidate
-    known = sorted(p.stem for p in configs.glob("*.yaml"))
-    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a name in {configs}; known names: {known}")

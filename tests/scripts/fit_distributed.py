@@ -39,6 +39,7 @@ from conftest import build_tiny_toy_target  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
 
+from data.drafter_data import DrafterDataModule  # noqa: E402
 from data.shards import load_manifest  # noqa: E402
 from models import registry  # noqa: E402
 from models.eagle import EagleDraftModel  # noqa: E402
@@ -46,7 +47,7 @@ from training.callbacks import DecodeValidation  # noqa: E402
 from training.convert import convert_checkpoint  # noqa: E402
 from training.deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
 from training.objective import ObjectiveConfig  # noqa: E402
-from training.system import DrafterDataModule, DrafterSystem, OptimizerConfig  # noqa: E402
+from training.system import DrafterSystem, OptimizerConfig  # noqa: E402
 
 STRATEGIES = ("single", "ddp", "deepspeed_stage_2")
 TARGET = "tiny-toy"

@@ -1,0 +1,119 @@
+"""The DataModule `training/fit.py` builds from YAML: the feature stream plus extraction on first use.
+
+    data = DrafterDataModule(train_dir="outputs/shards/toy", target="toy", num_val_shards=1)
+    data = DrafterDataModule(train_dir="outputs/shards/toy-demo", extract_config="extract_toy",
+                             extract_overrides=["prompts.count=3072"])   # extracted when missing
+
+`FeatureDataModule` (data/datamodule.py) takes a `DataConfig` and a loaded target's identity; this
+subclass takes plain arguments (what LightningCLI and YAML configs give), loads the target only in
+`setup` (building the module never loads a 7B model), and with `extract_config` runs the extraction
+recipe once per node in `prepare_data` when `train_dir` has no manifest, so `python training/fit.py
+--config demo` runs on a fresh machine. `resolve_config_path` finds configs by bare name in `configs/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
+from data.shards import TargetIdentity
+from models.registry import shared_target
+
+
+class DrafterDataModule(FeatureDataModule):
+    """The feature stream for drafter training, configured by plain arguments (for YAML / LightningCLI).
+
+    With `extract_config` set, a missing dataset is extracted first (`prepare_data`, once per node),
+    so `python training/fit.py --config demo` runs on a fresh machine.
+
+    Args:
+        train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
+            load_uncond, on_error: see `data.data_config.DataConfig`.
+        target: registry name of the target the features must come from (linked to model.target by fit.py).
+        target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
+        extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
+        extract_overrides: key=value overrides for that extraction (e.g. prompts.count=512).
+    """
+
+    def __init__(
+        self,
+        train_dir: str,
+        val_dir: str | None = None,
+        num_val_shards: int = 0,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        shuffle_buffer: int = 16,
+        seed: int = 0,
+        load_aux: bool = True,
+        load_uncond: bool = False,
+        on_error: str = "raise",
+        target: str = "toy",
+        target_options: dict[str, Any] | None = None,
+        extract_config: str | None = None,
+        extract_overrides: list[str] | None = None,
+    ) -> None:
+        config = DataConfig(
+            train_dir=train_dir,
+            val_dir=val_dir,
+            num_val_shards=num_val_shards,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
+            load_aux=load_aux,
+            load_uncond=load_uncond,
+            on_error=on_error,
+        )
+        L.LightningDataModule.__init__(self)  # FeatureDataModule's init wants the target; it loads in setup
+        self.config = config
+        self.target = None  # type: ignore[assignment]
+        self.train_stream = self.val_stream = None
+        self.target_name = target
+        self.target_options = dict(target_options or {})
+        self.extract_config = extract_config
+        self.extract_overrides = list(extract_overrides or [])
+
+    def prepare_data(self) -> None:
+        manifest = Path(self.config.train_dir) / "manifest.json"
+        if manifest.exists():
+            return
+        if self.extract_config is None:
+            raise FileNotFoundError(
+                f"{manifest} not found: extract features first (python -m data.extract --config ...) "
+                "or set data.extract_config to extract them automatically"
+            )
+        from data.extract import load_config, run_extraction
+
+        overrides = [f"out_dir={self.config.train_dir}", f"target={self.target_name}", *self.extract_overrides]
+        config = load_config(resolve_config_path(self.extract_config), overrides)
+        print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
+        target = shared_target(self.target_name, self.target_options)
+        if run_extraction(config, target, rank=0, world_size=1) is None:
+            raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
+            self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
+        super().setup(stage)
+        # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream
+        # (batch_size=None) lacks: state it before the strategy formats its config (which runs after setup).
+        config = getattr(getattr(self.trainer, "strategy", None), "config", None)
+        if isinstance(config, dict) and "zero_optimization" in config:
+            config.setdefault("train_micro_batch_size_per_gpu", self.config.batch_size)
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A config file path, or a bare name looked up in the repository's `configs/` (`demo` -> configs/demo.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for candidate in (configs / path, configs / f"{path}.yaml", configs / f"{path}.yml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in configs.glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a name in {configs}; known names: {known}")
