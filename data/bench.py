@@ -1,4 +1,5 @@
-"""Throughput of the DataModule iterator against a raw sequential read of the same shard files.
+"""Throughput of the DataModule iterator against a raw sequential read of the same shard files, and of
+this project's tar reader against webdataset's own reader on the same shards.
 
     python -m data.bench shards/toy                         # an extracted dataset
     python -m data.bench --synthetic janus                  # Janus-Pro-7B-sized samples, written to a temp dir
@@ -26,12 +27,14 @@ from torch.utils.data import DataLoader
 
 from data.data_config import DataConfig
 from data.datamodule import FeatureDataModule
+from data.shard_reader import iter_raw_samples
 from data.shards import (
     MANIFEST_NAME,
     FieldSpec,
     Manifest,
     ShardWriter,
     TargetIdentity,
+    decode_npy,
     load_manifest,
     sample_key,
     shard_name,
@@ -109,6 +112,54 @@ def time_raw_read(paths: list[Path], chunk_bytes: int = 16 << 20) -> float:
     return time.perf_counter() - started
 
 
+def time_project_reader(paths: list[Path]) -> tuple[float, int]:
+    """Seconds for this project's tar reader to yield every sample of `paths` with its arrays decoded, and the count."""
+    started, samples = time.perf_counter(), 0
+    for path in paths:
+        for raw in iter_raw_samples(path):
+            for name, data in raw.items():
+                if name.endswith(".npy"):
+                    decode_npy(data)  # (L,) or (L, width), a view of the read bytes
+            samples += 1
+    return time.perf_counter() - started, samples
+
+
+def time_webdataset_reader(paths: list[Path]) -> tuple[float, int]:
+    """Seconds for webdataset's own reader (`WebDataset(...).decode()`) to yield the same samples, and the count."""
+    import webdataset as wds
+
+    started, samples = time.perf_counter(), 0
+    dataset = wds.WebDataset([str(p) for p in paths], shardshuffle=False, empty_check=False).decode()
+    for sample in dataset:
+        for name, value in sample.items():
+            if name.endswith(".npy") and not isinstance(value, np.ndarray):
+                raise RuntimeError(f"webdataset decoded {name} as {type(value).__name__}, not an array")
+        samples += 1
+    return time.perf_counter() - started, samples
+
+
+def compare_readers(folder: Path, repeats: int) -> dict[str, float]:
+    """This project's tar reader against webdataset's on the same shards, alternating runs; medians in seconds."""
+    manifest = load_manifest(folder)
+    paths = [folder / s.name for s in manifest.shards]
+    time_project_reader(paths), time_webdataset_reader(paths)  # warm the page cache and imports
+    ours, theirs = [], []
+    for _ in range(repeats):
+        for reader, times in ((time_project_reader, ours), (time_webdataset_reader, theirs)):
+            seconds, samples = reader(paths)
+            if samples != manifest.num_samples:
+                raise RuntimeError(
+                    f"{reader.__name__} read {samples} samples, the manifest lists {manifest.num_samples}"
+                )
+            times.append(seconds)
+    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    return {
+        "project_samples_per_s": manifest.num_samples / ours_s,
+        "webdataset_samples_per_s": manifest.num_samples / theirs_s,
+        "speedup": theirs_s / ours_s,
+    }
+
+
 def build_loader(folder: Path, manifest: Manifest, batch_size: int, num_workers: int) -> DataLoader:
     """The DataModule's train loader over every shard of `folder`."""
     config = DataConfig(
@@ -183,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         result = run_bench(folder, args.batch_size, args.num_workers, args.repeats)
+        readers = compare_readers(folder, args.repeats)
     finally:
         if cleanup:
             shutil.rmtree(folder, ignore_errors=True)
@@ -193,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"raw sequential read: {result['raw_samples_per_s']:9.1f} samples/s {result['raw_mb_per_s']:9.1f} MB/s")
     print(f"DataModule iterator: {result['loader_samples_per_s']:9.1f} samples/s {result['loader_mb_per_s']:9.1f} MB/s")
     print(f"ratio (DataModule / raw): {result['ratio']:.3f}")
+    print(f"tar reader, this project's: {readers['project_samples_per_s']:9.1f} samples/s (arrays decoded)")
+    print(f"tar reader, webdataset's:   {readers['webdataset_samples_per_s']:9.1f} samples/s (.decode())")
+    print(f"this project's reader is {readers['speedup']:.2f}x webdataset's (kept only while >= 1.5x)")
 
 
 if __name__ == "__main__":
