@@ -13,7 +13,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -540,3 +542,14 @@ def test_local_folders_keep_their_errors(tiny_target, monkeypatch, tmp_path: Pat
         EagleDrafter.from_pretrained(str(tmp_path / "missing"), tiny_target)  # an absolute path is never a Hub id
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
         EagleDrafter.from_pretrained("org/never-downloaded", tiny_target, cache_dir=tmp_path / "cache")
+
+
+def test_exported_files_follow_the_users_umask(tiny_run: Path, tmp_path: Path):
+    previous = os.umask(0o027)
+    try:
+        result = export_drafter(tiny_run / "checkpoints" / "last.ckpt", tmp_path / "export")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(result.folder.stat().st_mode) == 0o750
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in result.folder.iterdir()}
+    assert modes == {"config.json": 0o640, "model.safetensors": 0o640, "README.md": 0o640}, modes
