@@ -2,7 +2,7 @@
 
     data = DrafterDataModule(train_dir="outputs/shards/toy", target="toy", num_val_shards=1)
     data = DrafterDataModule(train_dir="outputs/shards/toy-demo", extract_config="extract_toy",
-                             extract_overrides=["prompts.count=3072"])   # extracted when missing
+                             extract_overrides={"prompts": {"count": 3072}})   # extracted when missing
 
 `FeatureDataModule` (data/datamodule.py) takes a `DataConfig` and a loaded target's identity; this
 subclass takes plain arguments (what LightningCLI and YAML configs give), loads the target only in
@@ -13,6 +13,7 @@ recipe once per node in `prepare_data` when `train_dir` has no manifest, so `pyt
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ class DrafterDataModule(FeatureDataModule):
         target: registry name of the target the features must come from (linked to model.target by fit.py).
         target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
         extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
-        extract_overrides: key=value overrides for that extraction (e.g. prompts.count=512).
+        extract_overrides: a mapping of that recipe's keys to override, nested or dotted, as in YAML:
+            `{prompts: {count: 512}}` or `{prompts.count: 512}` (out_dir, target and target_options
+            always come from this module).
     """
 
     def __init__(
@@ -54,7 +57,7 @@ class DrafterDataModule(FeatureDataModule):
         target: str = "toy",
         target_options: dict[str, Any] | None = None,
         extract_config: str | None = None,
-        extract_overrides: list[str] | None = None,
+        extract_overrides: dict[str, Any] | list[str] | None = None,
     ) -> None:
         config = DataConfig(
             train_dir=train_dir,
@@ -75,7 +78,12 @@ class DrafterDataModule(FeatureDataModule):
         self.target_name = target
         self.target_options = dict(target_options or {})
         self.extract_config = extract_config
-        self.extract_overrides = list(extract_overrides or [])
+        if isinstance(extract_overrides, list):
+            raise ValueError(
+                f"data.extract_overrides={extract_overrides} is a list of key=value strings; it is a mapping now, "
+                "as in YAML: extract_overrides: {prompts.count: 3072} (or {prompts: {count: 3072}})"
+            )
+        self.extract_overrides = dict(extract_overrides or {})
 
     def prepare_data(self) -> None:
         manifest = Path(self.config.train_dir) / "manifest.json"
@@ -88,7 +96,8 @@ class DrafterDataModule(FeatureDataModule):
             )
         from data.extract import load_config, run_extraction
 
-        overrides = [f"out_dir={self.config.train_dir}", f"target={self.target_name}", *self.extract_overrides]
+        overrides = [*dotted_overrides(self.extract_overrides), f"out_dir={self.config.train_dir}",
+                     f"target={self.target_name}", f"target_options={json.dumps(self.target_options)}"]  # fmt: skip
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
         target = shared_target(self.target_name, self.target_options)
@@ -104,6 +113,18 @@ class DrafterDataModule(FeatureDataModule):
         config = getattr(getattr(self.trainer, "strategy", None), "config", None)
         if isinstance(config, dict) and "zero_optimization" in config:
             config.setdefault("train_micro_batch_size_per_gpu", self.config.batch_size)
+
+
+def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """A nested mapping as `key.sub=value` override strings: {prompts: {count: 8}} -> ["prompts.count=8"]."""
+    overrides = []
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key != "target_options":
+            overrides += dotted_overrides(value, f"{name}.")
+        else:
+            overrides.append(f"{name}={json.dumps(value)}")
+    return overrides
 
 
 def resolve_config_path(name: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """A trained EAGLE-1/EAGLE-3 draft head, wired to its target, as a tree-decoder `Drafter`.
 
-    drafter = EagleDrafter.from_pretrained("runs/demo/drafter", target)
+    drafter = EagleDrafter.from_pretrained("runs/demo/version_0/drafter", target)
     drafter = EagleDrafter.from_pretrained("my-org/eagle3-toy", target)   # a Hub repo (python -m training.export)
     result = generate_speculative(target, drafter, prompts, CascadeRule())
 

@@ -84,6 +84,22 @@ def test_every_real_target_config_measures_decode_tau_and_checks_it_at_start(nam
         check_config(["--config", Path(name).stem, "--trainer.callbacks.init_args.rules", "[exact, casade]"])
 
 
+def test_extraction_overrides_are_a_yaml_mapping_and_the_old_string_list_is_refused():
+    from data.drafter_data import DrafterDataModule, dotted_overrides
+
+    nested = {"prompts": {"count": 8, "source": "toy"}, "batch_size": 4, "target_options": {"dtype": "float32"}}
+    assert dotted_overrides(nested) == [
+        "prompts.count=8",
+        'prompts.source="toy"',
+        "batch_size=4",
+        'target_options={"dtype": "float32"}',
+    ]
+    cli = check_config(["--config", "demo", "--data.extract_overrides", "{prompts.count: 16, batch_size: 8}"])
+    assert cli.datamodule.extract_overrides == {"prompts.count": 16, "batch_size": 8}
+    with pytest.raises(ValueError, match=r"it is a mapping now, as in YAML: extract_overrides: \{prompts.count"):
+        DrafterDataModule(train_dir="x", extract_overrides=["prompts.count=16"])
+
+
 def test_bare_names_resolve_in_configs():
     assert resolve_config_path("demo") == CONFIGS / "demo.yaml"
     assert resolve_config_path("demo.yaml") == CONFIGS / "demo.yaml"

@@ -55,7 +55,7 @@ def test_fit_runs_the_config_on_the_tiny_stand_in(name: str, tmp_path: Path, cap
         "--model.objective.ttt_steps", "3", "--model.objective.eval_steps", "3",
         "--model.optimizer.warmup_steps", "1",
         "--data.train_dir", str(tmp_path / "shards"), "--data.extract_config", "extract_toy",
-        "--data.extract_overrides", "[prompts.count=8, samples_per_shard=4, batch_size=4]",
+        "--data.extract_overrides", "{prompts.count: 8, samples_per_shard: 4, batch_size: 4}",
         "--data.num_workers", "0", "--data.num_val_shards", "1", "--checkpoint.every_n_train_steps", "2",
     ])  # fmt: skip
     printed = capsys.readouterr().out
