@@ -28,12 +28,15 @@ LANTERN's delta, LANTERN++'s lambda, GSD's group size; `SWEEP_GRID`, or `--sweep
 and draws tau against fidelity and FID-style distance, one series per rule, into a PNG (`--plot`).
 
 `--random-weights` (with `--size real`, the default) builds the target's released architecture with
-random weights and no download (`models.random_weights`) and only measures the target's own cost,
-an AR step against one verification forward over `--tree-nodes` nodes (`inference.latency`):
+random weights and no download (`models.random_weights`), and a random drafter of its preset, and
+measures a whole speculative step against an AR step: ms per AR step, tree forward, drafting, each
+rule (`--rules`, default all) and bookkeeping, and the projected speedup tau x t(AR) / t(step) for
+`--tau` (`inference.step_latency`):
 
-    python -m inference.bench --target janus-pro-7b --random-weights --tree-nodes 60 --out latency.json
+    python -m inference.bench --latency --target janus-pro-7b --random-weights --dtype bfloat16 --tau 3.5
 
-`--latency` measures the same for a loaded target (`--target toy`).
+`--latency` measures the same for a loaded target (`--target toy`, `--drafter` or a random one);
+`--target-only` only the target's AR step against one forward over `--tree-nodes` nodes (`inference.latency`).
 
 Rule settings: `--rule-arg RULE.NAME=VALUE` (repeatable) sets a field of a rule's dataclass
 (`inference.rules`), e.g. `cascade.delta=0.3`; a method may carry a label, `--rules cascade@wide`,
@@ -72,9 +75,9 @@ from inference.generate import (
     read_prompt_lines,
     rule_settings,
 )
-from inference.latency import run_latency_command
 from inference.report import Quality, format_markdown, format_table, plot_sweep, sweep_title, write_json
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.step_latency import add_latency_arguments, run_latency_command
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
@@ -92,6 +95,7 @@ TIMING_NOTE = (
     "verify_share = verify time / wall time per step"
 )
 
+DEFAULT_METHODS = "ar,exact,lantern,lantern++,gsd,gsd-blocks,cascade"
 SweepPoint = tuple[str, str, dict[str, object]]  # (series, rule, options)
 
 
@@ -364,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="toy", help="target name (default: toy)")
     add_decoder_arguments(parser)
-    parser.add_argument("--rules", default="ar,exact,lantern,lantern++,gsd,gsd-blocks,cascade",
-                        help="comma-separated methods: ar and rules, optionally labelled RULE@LABEL")  # fmt: skip
+    parser.add_argument("--rules", help=f"comma-separated methods: ar and rules, optionally labelled RULE@LABEL "
+                        f"(default {DEFAULT_METHODS}; --latency: every rule, {','.join(RULE_CLASSES)})")  # fmt: skip
     parser.add_argument("--rule-arg", action="append", metavar="RULE.NAME=VALUE", help="set a rule field")
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out toy prompts (default 32)")
     parser.add_argument("--prompt-seed", type=int, default=5, help="seed of the held-out toy prompt draw")
@@ -385,23 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree kind (--tree: only that one); decodes --num-prompts prompts")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="sweep: Pareto plot PNG (default: next to --out, or pareto.png)")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a sweep JSON written by --out")
-    latency = parser.add_argument_group(
-        "target latency", "time an AR step against one tree verification on the target alone (inference.latency)"
-    )
-    latency.add_argument("--latency", action="store_true", help="measure the latency of --target and stop")
-    latency.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="build --target's real architecture with random weights (no download); implies --latency",
-    )
-    latency.add_argument("--size", choices=["real", "tiny"], default="real", help="--random-weights architecture size")
-    latency.add_argument("--dtype", help="target dtype (random weights: default bfloat16 on GPU, float32 on CPU)")
-    latency.add_argument("--device", help="target device (random weights: default this process's GPU, else CPU)")
-    latency.add_argument("--tree-nodes", type=int, default=60, help="nodes per verification forward (default 60)")
-    latency.add_argument("--context-tokens", type=int, help="image tokens already decoded (default: half the image)")
-    latency.add_argument("--latency-steps", type=int, default=20, help="timed forwards of each kind (default 20)")
-    latency.add_argument("--latency-prompts", type=int, default=1, help="images decoded together (default 1)")
-    latency.add_argument("--no-aux", action="store_true", help="skip the EAGLE-3 streams (as for EAGLE-1 drafters)")
+    add_latency_arguments(parser)
     return parser
 
 
@@ -415,9 +403,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.latency or args.random_weights:
-        return [run_latency_command(args, argv)]
+        try:
+            timed = parse_methods(args.rules or ",".join(RULE_CLASSES), args.rule_arg)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        return [run_latency_command(args, argv, [(m.label, m.rule, m.options) for m in timed if m.rule != "ar"])]
     try:
-        methods = parse_methods(args.rules, args.rule_arg)
+        methods = parse_methods(args.rules or DEFAULT_METHODS, args.rule_arg)
         if args.sweep:
             methods = sweep_methods(load_grid(args.sweep_grid) if args.sweep_grid else SWEEP_GRID, methods)
         config = decoder_config(args)

@@ -136,7 +136,11 @@ def default_lantern_k(vocab: int) -> int:
 
 
 def build_rule(
-    name: str, target: ImageTarget, options: Mapping[str, object] | None = None, drafter_dir: Path | None = None
+    name: str,
+    target: ImageTarget,
+    options: Mapping[str, object] | None = None,
+    drafter_dir: Path | None = None,
+    codebook: Tensor | None = None,
 ) -> Rule:
     """Verification rule `name` with its dataclass defaults, overridden by `options` (strings are parsed).
 
@@ -144,6 +148,8 @@ def build_rule(
     (`inference.calibrate`; one written for another target is an error), unless `options` set them.
     LANTERN rules get the target's VQ-codebook neighbour table; their k defaults to
     `default_lantern_k(V)`, and LANTERN++ takes lam = 3.0 (the CASCADE dev baseline) unless given.
+    `codebook` (V, e), when given, stands in for the target's codebook (LANTERN, GSD), e.g. a random one
+    for the random-weight targets of a latency run, which expose none.
     """
     known = rule_options(name)
     values: dict[str, object] = {}
@@ -154,22 +160,24 @@ def build_rule(
     if name == "cascade":
         values = {**load_calibration(drafter_dir, target.name), **values}
     if name == "gsd":
-        return GSDRule(embeddings=_codebook(name, target), **values)  # type: ignore[arg-type]
+        return GSDRule(embeddings=_codebook(name, target, codebook), **values)  # type: ignore[arg-type]
     if name not in ("lantern", "lantern++"):
         return RULE_CLASSES[name](**values)
     if name == "lantern" and values.get("lam") is not None:
         raise ValueError("lam sets LANTERN++'s multiplicative bound: use the rule lantern++")
     if name == "lantern++" and values.setdefault("lam", 3.0) is None:
         raise ValueError("lantern++ needs lam (its multiplicative bound); without it use the rule lantern")
-    codebook = _codebook(name, target)
+    codebook = _codebook(name, target, codebook)
     k = int(values.setdefault("k", default_lantern_k(codebook.shape[0])))  # type: ignore[call-overload]
     if not 1 <= k <= codebook.shape[0] - 2:
         raise ValueError(f"lantern k must be in 1..{codebook.shape[0] - 2} for {codebook.shape[0]} codes, got {k}")
     return LanternRule(neighbours=build_latent_neighbours(codebook, k + 1), **values)  # type: ignore[arg-type]
 
 
-def _codebook(name: str, target: ImageTarget) -> Tensor:
-    """The target's VQ codebook (V, e): LANTERN's latent proximity and GSD's embedding distance."""
+def _codebook(name: str, target: ImageTarget, stand_in: Tensor | None = None) -> Tensor:
+    """The target's VQ codebook (V, e), or `stand_in` if given: LANTERN's latent proximity and GSD's distance."""
+    if stand_in is not None:
+        return stand_in
     codebook = getattr(getattr(target, "vq", None), "codebook", None)
     if codebook is None:
         raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")

@@ -4,6 +4,9 @@
     report = measure_target_latency(target, tree_nodes=60)
     print(format_latency(report))
 
+(`python -m inference.bench --latency --target-only`; the whole speculative step, drafting and the
+rules included, is `inference.step_latency`.)
+
 This is the cost model of speculative decoding: a step of the tree decoder replaces `tau` AR steps
 with one target forward over all tree nodes, so its wall-time speedup is at most
 tau / (verify latency / AR latency) (drafting and the rule come on top). The measurement runs the
@@ -14,7 +17,8 @@ over a whole image).
 
 - AR step: one new token per row over the context, `steps` times, each timed alone;
 - tree verification: `tree_nodes` new tokens per row (the root, i.e. the last sampled token, and
-  its drafts, laid out as a `branching`-ary tree) with the tree attention mask and tree positions;
+  its drafts, laid out as a `branching`-ary tree, or as a given tree shape) with the tree attention
+  mask and tree positions;
 - after every timed forward the cache is truncated back to the context, so each one sees the same
   context; on CUDA every timed forward is bracketed by `torch.cuda.synchronize()`; the prefill is
   timed on its second run (the first one pays for lazy initialisation);
@@ -26,10 +30,8 @@ Shapes: R rows (2 per prompt with CFG), N tree nodes, X context image tokens.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -84,7 +86,8 @@ def synthetic_tree(num_nodes: int, branching: int) -> tuple[Tensor, Tensor]:
     return parents, depths
 
 
-def _clock(device: torch.device) -> float:
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter seconds, read after the device has finished its queued work (CUDA: one synchronize)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: the forward must have finished before the clock is read
     return time.perf_counter()
@@ -108,6 +111,7 @@ def measure_target_latency(
     branching: int = 4,
     seed: int = 0,
     aux: bool = True,
+    tree: tuple[Tensor, Tensor] | None = None,
 ) -> LatencyReport:
     """Time AR steps and `tree_nodes`-node verifications of `target` at one context (see the module docstring).
 
@@ -121,7 +125,11 @@ def measure_target_latency(
         branching: fan-out of the synthetic tree (its shape barely matters: cost follows N and X).
         seed: seed of the random image tokens.
         aux: also return the EAGLE-3 auxiliary streams, as the decoder does for EAGLE-3 drafters.
+        tree: (parents (N,), depths (N,)) of the tree to verify, parents[0] = -1, instead of the synthetic
+            one; its N replaces `tree_nodes`.
     """
+    if tree is not None:
+        tree_nodes = int(tree[0].numel())
     image_tokens = target.geometry.num_tokens
     context = image_tokens // 2 if context_tokens is None else int(context_tokens)
     if not 0 <= context < image_tokens:
@@ -143,9 +151,9 @@ def measure_target_latency(
 
     target.prefill(conditioning, cache, return_aux=aux)  # untimed: the first forward initialises kernels
     cache.truncate(0)
-    start = _clock(device)
+    start = synchronized_clock(device)
     target.prefill(conditioning, cache, return_aux=aux)
-    prefill_ms = (_clock(device) - start) * 1e3
+    prefill_ms = (synchronized_clock(device) - start) * 1e3
 
     vocab = target.image_vocab_size
 
@@ -162,9 +170,9 @@ def measure_target_latency(
     def timed(tokens: Tensor, positions: Tensor, mask: Tensor | None) -> list[float]:
         times = []
         for repeat in range(warmup + steps):
-            begin = _clock(device)
+            begin = synchronized_clock(device)
             target.forward(tokens, positions, cache, tree_mask=mask, return_aux=aux)
-            elapsed = _clock(device) - begin
+            elapsed = synchronized_clock(device) - begin
             cache.truncate(base)
             if repeat >= warmup:
                 times.append(elapsed * 1e3)
@@ -173,7 +181,7 @@ def measure_target_latency(
     ar_positions = target.image_positions(torch.tensor([context], device=device))
     ar_times = timed(image_tokens_for(1), ar_positions, None)
 
-    parents, depths = synthetic_tree(tree_nodes, branching)
+    parents, depths = synthetic_tree(tree_nodes, branching) if tree is None else tree
     mask = ancestor_mask(parents[None].expand(rows, -1), int(depths.max())).to(device)  # (R, N, N), per row
     tree_positions = target.image_positions((context + depths).clamp_max(image_tokens - 1).to(device))  # as the decoder
     verify_times = timed(image_tokens_for(tree_nodes), tree_positions, mask)
@@ -205,44 +213,3 @@ def format_latency(report: LatencyReport) -> str:
         f"tree verify ({report.tree_nodes} nodes/row)    {report.verify_ms:9.2f} ms  ({report.verify_p90_ms:.2f})",
         f"verify / AR                   {report.ratio:9.2f} x  (the tau needed to break even on target time)",
     ])  # fmt: skip
-
-
-def run_latency_command(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    """`--latency` / `--random-weights`: print and return `inference.latency`'s report for the target."""
-    from inference.report import write_json
-    from models.registry import load_target
-
-    started = time.perf_counter()
-    target: ImageTarget
-    if args.random_weights:
-        from models.random_weights import random_target
-
-        try:
-            target = random_target(args.target, args.size, args.dtype, args.device, seed=args.seed)
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
-    else:
-        placement = {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
-        target = load_target(args.target, **placement)
-    built = time.perf_counter() - started
-    try:
-        report = measure_target_latency(target, tree_nodes=args.tree_nodes, context_tokens=args.context_tokens,
-                                        steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed,
-                                        aux=not args.no_aux)  # fmt: skip
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    print(format_latency(report))
-    total = time.perf_counter() - started
-    print(f"built the target in {built:.1f} s; {total:.1f} s in all")
-    summary = {
-        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
-        "random_weights": bool(args.random_weights),
-        "size": args.size if args.random_weights else None,
-        "build_seconds": built,
-        "seconds": total,
-        **report.to_dict(),
-    }
-    if args.out:
-        write_json(summary, args.out)
-        print(f"wrote {args.out}")
-    return summary

@@ -20,6 +20,9 @@ width 32, which is what the CPU tests run.
   slots, 32 x 32 grid) and VQ-16 decoder; the caption encoder is a one-layer T5 of FLAN-T5-XL's
   width (2048) instead of the 24-layer one (it runs once per prompt, outside the decoding loop).
 
+`random_drafter_model(target, "janus-pro-7b")` builds the EAGLE drafter head of a preset
+(`models.eagle.drafter_preset`) for such a target, with random weights, directly on its device in its dtype.
+
 Shapes: K image codes, D hidden size.
 """
 
@@ -31,7 +34,8 @@ from typing import Any, Literal
 
 import torch
 
-from models.target import DecoderTarget
+from models.eagle import EagleDraftModel, drafter_preset
+from models.target import DecoderTarget, ImageTarget
 from models.transformers_decoder import placement
 
 Size = Literal["real", "tiny"]
@@ -215,3 +219,28 @@ def random_target(
         raise ValueError(f"size must be 'real' or 'tiny', got {size!r}")
     resolved_device, resolved_dtype = placement(device, dtype)
     return RANDOM_BUILDERS[name](size, resolved_device, resolved_dtype, seed)
+
+
+def random_drafter_model(
+    target: ImageTarget, preset: str, architecture: str = "eagle3", seed: int = 0
+) -> EagleDraftModel:
+    """An EAGLE-1/EAGLE-3 head of the drafter preset `preset` with random weights, fitted to `target`.
+
+    The preset gives the drafter layer's shape (width, heads, MLP); the image vocabulary, the target's
+    hidden size and its number of EAGLE-3 streams come from `target`. Built on the target's device in the
+    dtype of its image head (Normal(0, 0.02) linears, as `EagleDraftModel.reset_parameters`).
+
+    Raises:
+        ValueError: for an unknown preset or architecture.
+    """
+    config = drafter_preset(
+        preset,
+        architecture,
+        vocab_size=target.image_vocab_size,
+        target_hidden_size=target.hidden_size,
+        num_aux_layers=len(target.aux_layer_ids),
+        target=target.name,
+    )
+    weight = target.image_head_weight()
+    model: EagleDraftModel = _build(lambda: EagleDraftModel(config), weight.device, weight.dtype, seed)
+    return model

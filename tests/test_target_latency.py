@@ -1,4 +1,5 @@
-"""Random-weight targets (real architecture sizes, tiny CPU builds) and the AR-vs-verify latency check."""
+"""Random-weight targets (real architecture sizes, tiny CPU builds), the AR-vs-verify latency check and the
+whole speculative step's latency (drafting, tree forward, every rule, bookkeeping, projected speedup)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def test_bench_random_weights_cli_writes_the_report(tmp_path, capsys):
     from inference.bench import main
 
     out = tmp_path / "latency.json"
-    main(["--target", "lumina-mgpt-7b", "--random-weights", "--size", "tiny", "--tree-nodes", "9",
+    main(["--target", "lumina-mgpt-7b", "--random-weights", "--size", "tiny", "--target-only", "--tree-nodes", "9",
           "--latency-steps", "2", "--threads", "1", "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     assert "tree verify (9 nodes/row)" in printed and "verify / AR" in printed
@@ -136,8 +137,85 @@ def test_registry_builds_random_weights_instead_of_loading():
 def test_bench_latency_of_a_loaded_target(capsys):
     from inference.bench import main
 
-    (summary,) = main(["--target", "toy", "--latency", "--tree-nodes", "5", "--latency-steps", "2", "--threads", "1"])
+    (summary,) = main(["--target", "toy", "--latency", "--target-only", "--tree-nodes", "5", "--latency-steps", "2",
+                       "--threads", "1"])  # fmt: skip
     assert summary["random_weights"] is False and summary["size"] is None
     assert summary["target"] == "toy" and summary["rows"] == 2
     assert summary["context_tokens"] == 36 // 2  # half the 6x6 image
     assert "tree verify (5 nodes/row)" in capsys.readouterr().out
+
+
+def test_step_clock_times_the_asked_steps_through_the_loop_hooks():
+    from inference.eagle import EagleDrafter
+    from inference.rules import ExactRule
+    from inference.speculative import DecoderConfig
+    from inference.step_latency import PHASES, time_decode_steps
+    from models.random_weights import random_drafter_model
+
+    target = random_target("llamagen-xl", "tiny", device="cpu")
+    drafter = EagleDrafter(random_drafter_model(target, "tiny"), target)
+    config = DecoderConfig(tree="dynamic", top_k=2, depth=2, total_tokens=5)
+    timer = time_decode_steps(target, drafter, ExactRule(), config, ["a red fox"], target.sampling, steps=15, warmup=2)
+    # 16 image tokens: at most 15 steps per decode, so 17 steps take a second decode, stopped right after step 17
+    assert target.geometry.num_tokens == 16
+    assert timer.completed == 17 and timer.timed == 15 and len(timer.accepted) == 15
+    assert all(len(timer.ms[name]) == 15 and min(timer.ms[name]) > 0 for name in PHASES)
+
+
+def test_bench_latency_measures_the_whole_speculative_step(tmp_path, capsys):
+    from inference.bench import main
+    from inference.rules import RULES
+    from inference.speculative import DecoderConfig
+    from inference.step_latency import DEFAULT_TAU
+
+    out = tmp_path / "step.json"
+    argv = ["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--latency-steps", "2",
+            "--threads", "1", "--out", str(out)]  # fmt: skip
+    (summary,) = main(argv)
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["rules"] == json.loads(json.dumps(summary["rules"]))
+    assert saved["tau"] == DEFAULT_TAU and saved["tau_default"] is True and "set it with --tau" in printed
+    assert saved["tree"]["tree"] == "static" and saved["tree_nodes"] == DecoderConfig().num_nodes  # decoder default
+    assert saved["drafter"].startswith("EAGLE-3 head of preset tiny") and saved["drafter_parameters"] > 0
+    assert [r["rule"] for r in saved["rules"]] == list(RULES)  # exact, cascade and every other registered rule
+    for line in ("AR step (1 token/row)", f"tree verify ({saved['tree_nodes']} nodes/row)", "drafting", "bookkeep"):
+        assert line in printed
+    ar_ms = saved["ar_ms"]
+    for record in saved["rules"]:
+        ms = record["ms"]
+        assert record["steps"] == 2 and all(ms[part] > 0 for part in ms)
+        assert ms["tree_forward"] == saved["verify_ms"]  # the isolated forward over the decoder's tree
+        phases = ms["draft"] + ms["tree_forward"] + ms["view"] + ms["verify"] + ms["commit"]
+        assert record["spec_step_ms"] == pytest.approx(phases, rel=1e-12)
+        assert record["projected_speedup"] == pytest.approx(DEFAULT_TAU * ar_ms / record["spec_step_ms"], rel=1e-12)
+        row = next(line for line in printed.splitlines() if line.startswith(f"{record['rule']} "))
+        numbers = row.split()[1:]  # drafting, tree fwd, view, rule, bookkeeping, spec step, speedup
+        assert [float(n) for n in numbers[:6]] == pytest.approx(
+            [ms["draft"], ms["tree_forward"], ms["view"], ms["verify"], ms["commit"], record["spec_step_ms"]], abs=0.006
+        )
+        assert float(numbers[6].rstrip("x")) == pytest.approx(record["projected_speedup"], abs=0.006)
+
+
+def test_bench_latency_refuses_target_only_options_for_the_whole_step():
+    from inference.bench import main
+
+    with pytest.raises(SystemExit, match="--tree-nodes shape"):
+        main(["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--tree-nodes", "9"])
+    with pytest.raises(SystemExit, match="tau"):
+        main(["--latency", "--target", "llamagen-xl", "--random-weights", "--size", "tiny", "--tau", "0.5",
+              "--rules", "exact", "--latency-steps", "1", "--threads", "1"])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_BUILDERS))
+def test_real_size_random_drafter_is_its_targets_preset(name):
+    from inference.eagle import EagleDrafter
+    from models.eagle import drafter_preset
+    from models.random_weights import random_drafter_model
+
+    target = random_target(name, "real", dtype=torch.bfloat16, device="meta")
+    model = random_drafter_model(target, name)
+    EagleDrafter(model, target)  # check_compatible: vocabulary, hidden size, aux streams
+    assert model.config == drafter_preset(name, "eagle3", target=target.name)  # the preset's shape, untouched
+    assert model.fc.weight.dtype == torch.bfloat16 and model.fc.weight.device.type == "meta"
+    assert model.d2t.dtype == torch.long  # integer buffers keep their type
