@@ -143,7 +143,8 @@ def compare_readers(folder: Path, repeats: int) -> dict[str, float]:
     manifest = load_manifest(folder)
     paths = [folder / s.name for s in manifest.shards]
     time_project_reader(paths), time_webdataset_reader(paths)  # warm the page cache and imports
-    ours, theirs = [], []
+    ours: list[float] = []
+    theirs: list[float] = []
     for _ in range(repeats):
         for reader, times in ((time_project_reader, ours), (time_webdataset_reader, theirs)):
             seconds, samples = reader(paths)
