@@ -110,8 +110,8 @@ def _read_jsonl(path: Path, column: str | None) -> list[tuple[str, str]]:
 
 
 def toy_prompts(count: int, seed: int = 0, split: str = "train") -> list[Prompt]:
-    """`count` captions of the toy world's `split`, drawn by its deterministic scene sampler (`models.toy_scenes`)."""
-    from models.toy_scenes import toy_captions
+    """`count` captions of the toy world's `split`, from its deterministic scene sampler (`models.toy.toy_captions`)."""
+    from models.toy import toy_captions
 
     return [Prompt(f"toy-{split}-s{seed}:{i}", text) for i, text in enumerate(toy_captions(count, seed, split))]
 

@@ -15,7 +15,7 @@ One table, one row per method:
   method, so that machine load falls on all methods alike; images are decoded one at a time;
 - prompt fidelity (the toy world's `SceneReader`: every attribute read back from the pixels matches
   the caption; ± one binomial standard error) and the FID-style distance to the AR images of the
-  same prompts (`models.toy_metrics.frechet_distance`, the reader's 256-d features). With N images
+  same prompts (`models.toy.frechet_distance`, the reader's 256-d features). With N images
   and N < 256 the feature covariances are singular and the distance is biased upwards: compare rows
   of one run only; the AR row shows the distance between two independent AR draws, the noise floor;
 - where the time of a step goes: the rule (`inference.verify.verify`), the target forward over the
@@ -81,7 +81,7 @@ from inference.step_latency import add_latency_arguments, run_latency_command
 from inference.verify import Rule
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
-from models.toy_world import IMAGE_SIZE as TOY_IMAGE_SIZE
+from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
 
 FID_NOTE = (
     "FID-style distance in the SceneReader's 256-d feature space to the AR images of the same prompts; "
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.prompts:
         prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
     else:
-        from models.toy_scenes import toy_captions
+        from models.toy import toy_captions
 
         prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
     drafter = None

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
     from inference.eagle import EagleDrafter
     from models.registry import load_target
-    from models.toy_scenes import toy_captions
+    from models.toy import toy_captions
 
     target = load_target(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)

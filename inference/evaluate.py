@@ -108,7 +108,7 @@ def read_captions(source: str, count: int | None = None, toy_seed: int = 0) -> l
         ValueError: the file is missing, not UTF-8 (the byte offset is named) or holds no caption.
     """
     if source == "toy" or source.isdigit():
-        from models.toy_scenes import toy_captions
+        from models.toy import toy_captions
 
         number = int(source) if source.isdigit() else count
         if not number:

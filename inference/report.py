@@ -167,8 +167,7 @@ class Quality:
     """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
 
     def __init__(self, target: ImageTarget) -> None:
-        from models.toy_metrics import SceneReader
-        from models.toy_target import ASSETS
+        from models.toy import ASSETS, SceneReader
 
         self.target = target
         self.reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
@@ -192,7 +191,7 @@ class Quality:
         return value, math.sqrt(max(value * (1 - value), 0.0) / len(prompts))
 
     def distance(self, reference: Tensor, images: Tensor) -> float | None:
-        from models.toy_metrics import frechet_distance
+        from models.toy import frechet_distance
 
         if not self.readable(images) or len(images) < 2:
             return None

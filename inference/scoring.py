@@ -116,8 +116,7 @@ def feature_network(spec: str, device: str | torch.device = "cpu") -> tuple[Feat
     default_1.pt architecture, both taking Inception input (299, (x - 128) / 128).
     """
     if spec == "toy-reader":
-        from models.toy_metrics import SceneFeatures, SceneReader
-        from models.toy_target import ASSETS
+        from models.toy import ASSETS, SceneFeatures, SceneReader
 
         path = ASSETS / "scene_reader.safetensors"
         net = FeatureNet(SceneFeatures(SceneReader.load(path)), f"toy-reader ({path})", None, SceneReader.image_size)
@@ -389,8 +388,7 @@ def clip_score(
 
 def toy_scene_images(captions: Sequence[str], size: int | None, seed: int = 0) -> Tensor:
     """The toy world's own pictures of its captions (the reference `--ref toy-scenes`): (N, 3, S, S) uint8."""
-    from models.toy_scenes import render_scene
-    from models.toy_world import parse_caption
+    from models.toy import parse_caption, render_scene
 
     rng = np.random.default_rng(seed)
     try:
@@ -403,8 +401,7 @@ def toy_scene_images(captions: Sequence[str], size: int | None, seed: int = 0) -
 
 def toy_fidelity(images: Tensor, captions: Sequence[str]) -> float | None:
     """The toy world's prompt fidelity of (N, 3, 36, 36) uint8 images; None when a caption is not of its grammar."""
-    from models.toy_metrics import SceneReader
-    from models.toy_target import ASSETS
+    from models.toy import ASSETS, SceneReader
 
     try:
         reader = SceneReader.load(ASSETS / "scene_reader.safetensors")

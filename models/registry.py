@@ -17,7 +17,7 @@ from models.target import ImageTarget
 
 
 def _load_toy(**kwargs: object) -> ImageTarget:
-    from models.toy_target import ToyTarget
+    from models.toy import ToyTarget
 
     return ToyTarget.from_assets(**kwargs)  # type: ignore[arg-type]
 

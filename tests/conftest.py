@@ -12,10 +12,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from models.llamagen import LlamaGenConfig  # noqa: E402
 from models.target import SamplingDefaults  # noqa: E402
-from models.toy_model import CaptionEncoderConfig, ToyTextToImage  # noqa: E402
-from models.toy_target import ToyTarget  # noqa: E402
-from models.toy_world import MAX_CAPTION_WORDS, PATCH_SIZE  # noqa: E402
-from models.vq import PatchVQ  # noqa: E402
+from models.toy.model import CaptionEncoderConfig, ToyTextToImage  # noqa: E402
+from models.toy.target import ToyTarget  # noqa: E402
+from models.toy.vq import PatchVQ  # noqa: E402
+from models.toy.world import MAX_CAPTION_WORDS, PATCH_SIZE  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from data.prompts import PROMPT_DIR, PromptSetConfig, load_prompts, read_prompt_file
-from models.toy_world import is_held_out
+from models.toy.world import is_held_out
 
 
 def test_shipped_prompt_sets_load_with_stable_ids():

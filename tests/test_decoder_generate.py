@@ -20,7 +20,7 @@ from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
-from models.toy_target import ToyTarget
+from models.toy.target import ToyTarget
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DYNAMIC = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)

@@ -13,7 +13,7 @@ from PIL import Image
 from inference.generate import build_rule, main
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
-from models.toy_world import PATCH_SIZE
+from models.toy.world import PATCH_SIZE
 
 
 def test_generate_writes_images_grid_and_summary(tmp_path):

@@ -7,9 +7,11 @@ Arrows (a package may import itself and what its arrow names, no other project p
     data      -> models, inference
     training  -> models, inference, data
 
-Nothing outside `training/` and `tests/` imports `training`. `models` and `inference` never import the
-training stack (lightning, deepspeed, webdataset), anywhere in a file: module level, inside functions,
-under `if TYPE_CHECKING:`, or through `importlib.import_module("...")` with a literal name. Inference
+Nothing outside `training/` and `tests/` imports `training`. The toy world is one package, `models/toy/`:
+code outside it imports `models.toy` (its public names), never one of its submodules. `models` and
+`inference` never import the training stack (lightning, deepspeed, webdataset), anywhere in a file:
+module level, inside functions, under `if TYPE_CHECKING:`, or through `importlib.import_module("...")`
+with a literal name. Inference
 users need no training stack, which the last test also checks at run time by importing every module.
 """
 
@@ -83,6 +85,25 @@ def boundary_violations(source: str, relative_path: str) -> list[str]:
     return problems
 
 
+def toy_internal_imports(source: str, relative_path: str) -> list[str]:
+    """`path:line: message` for every import of a `models.toy.<submodule>` from outside `models/toy/`."""
+    if relative_path.startswith("models/toy/"):
+        return []
+    problems = []
+    for node in ast.walk(ast.parse(source, filename=relative_path)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names if node.module == "models"]
+        for name in names:
+            if name.startswith("models.toy."):
+                problems.append(
+                    f"{relative_path}:{node.lineno}: imports the toy world's internal {name}; use models.toy"
+                )
+    return problems
+
+
 def project_files() -> list[Path]:
     """Every Python file the arrows govern: the four packages and any other top-level folder or script."""
     files = sorted(ROOT.glob("*.py"))
@@ -129,6 +150,22 @@ def test_the_checker_sees_function_level_and_relative_imports():
     ]
 
 
+def test_the_toy_checker_sees_submodule_imports():
+    source = "from models.toy import ToyTarget\ndef f():\n    from models.toy.metrics import SceneReader\n"
+    assert toy_internal_imports(source, "inference/synthetic.py") == [
+        "inference/synthetic.py:3: imports the toy world's internal models.toy.metrics; use models.toy"
+    ]
+    assert toy_internal_imports(source, "models/toy/synthetic.py") == []
+
+
+def test_no_module_outside_the_toy_package_imports_its_internals():
+    problems = []
+    for path in project_files():
+        relative = path.relative_to(ROOT).as_posix()
+        problems += toy_internal_imports(path.read_text(encoding="utf-8"), relative)
+    assert not problems, "\n".join(problems)
+
+
 def test_every_project_file_keeps_the_arrows():
     files = project_files()
     for package in PACKAGES:  # the walk found the packages (an empty walk would pass vacuously)
@@ -145,7 +182,7 @@ def test_models_and_inference_import_without_the_training_stack():
         "import sys, importlib, pkgutil\n"
         "import models, inference\n"
         "for package in (models, inference):\n"
-        "    for info in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
+        "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
         "        importlib.import_module(info.name)\n"
         f"print(sorted(m for m in {TRAINING_STACK!r} if m in sys.modules))\n"
     )

@@ -25,7 +25,7 @@ from inference.eval_folder import TIMING_KEYS
 from inference.evaluate import main
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
-from models.toy_scenes import toy_captions
+from models.toy.scenes import toy_captions
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "evaluate_tiny.py"
 CAPTIONS = [

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.toy_metrics import SceneReader, frechet_distance
-from models.toy_scenes import render_dataset
-from models.toy_world import parse_caption
+from models.toy.metrics import SceneReader, frechet_distance
+from models.toy.scenes import render_dataset
+from models.toy.world import parse_caption
 
 
 @pytest.fixture(scope="module")
 def reader() -> SceneReader:
-    return SceneReader.load("models/assets/scene_reader.safetensors")
+    return SceneReader.load("models/toy/assets/scene_reader.safetensors")
 
 
 @pytest.fixture(scope="module")

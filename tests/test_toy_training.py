@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from models.toy_model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
-from models.vq import PatchVQ
-from training.toy_target import warm_start
+from models.toy.model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
+from models.toy.train import warm_start
+from models.toy.vq import PatchVQ
 
 SMALL = dataclasses.replace(TOY_GPT_CONFIG, dim=32, num_layers=4, multiple_of=16, caption_dim=32, aux_layer_ids=None)
 ENCODER = CaptionEncoderConfig(dim=32, num_layers=1, num_heads=2)

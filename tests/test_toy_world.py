@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.toy_scenes import COLOURS, render_dataset, render_scene, sample_scenes
-from models.toy_world import (
+from models.toy.scenes import COLOURS, render_dataset, render_scene, sample_scenes
+from models.toy.vq import PatchVQ, reconstruction_error
+from models.toy.world import (
     CELL_SIZE,
     COLOUR_NAMES,
     IMAGE_SIZE,
@@ -18,7 +19,6 @@ from models.toy_world import (
     is_held_out,
     parse_caption,
 )
-from models.vq import PatchVQ, reconstruction_error
 
 
 def test_same_seed_gives_the_same_scenes_and_pixels():
@@ -93,7 +93,7 @@ def test_vq_round_trip_error_is_bounded():
 
 
 def test_shipped_vq_reconstructs_held_out_scenes(tmp_path):
-    vq = PatchVQ.load("models/assets/toy_vq.safetensors")
+    vq = PatchVQ.load("models/toy/assets/toy_vq.safetensors")
     _, images = render_dataset(128, seed=11, split="heldout")
     assert vq.grid == (6, 6) and vq.num_codes == 4096
     assert reconstruction_error(vq, images) < 8.0  # the uniform grain of +-10 grey levels alone is 5.0
@@ -127,9 +127,9 @@ def test_caption_fixes_shape_pixels_and_shapes_fill_their_cells_four_patches():
 def test_shipped_vq_spreads_a_grained_background_patch_over_many_codes():
     """The grain makes a plain background patch land on dozens of codes, as real VQ tokens of a texture do:
     a tree that drafts a few children cannot cover them, which is the regime relaxed verification is for."""
-    from models.toy_scenes import _draw_background
+    from models.toy.scenes import _draw_background
 
-    vq = PatchVQ.load("models/assets/toy_vq.safetensors")
+    vq = PatchVQ.load("models/toy/assets/toy_vq.safetensors")
     rng = np.random.default_rng(0)
     images = np.stack([np.clip(np.rint(_draw_background("plain", "red", rng, IMAGE_SIZE)), 0, 255) for _ in range(300)])
     codes = vq.encode(torch.from_numpy(images.astype(np.uint8)))  # (300, 36); every patch has the same law

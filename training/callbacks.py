@@ -192,8 +192,7 @@ class DecodeValidation(Callback):
     def _scene_reader(self, target: ImageTarget) -> Any:
         """The toy world's attribute reader (fidelity); None for targets it cannot read."""
         if self._reader is None and target.name == "toy":
-            from models.toy_metrics import SceneReader
-            from models.toy_target import ASSETS
+            from models.toy import ASSETS, SceneReader
 
             self._reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
         return self._reader

@@ -2,7 +2,7 @@
 
 A scene is drawn from a `numpy.random.Generator`, so `(seed, index)` fixes it: the same seed gives
 the same scenes, captions and pixels on every machine. Captions follow the grammar in
-`models/toy_world.py`; one caption in twenty (by hash) is held out of training, so evaluation can
+`models/toy/world.py`; one caption in twenty (by hash) is held out of training, so evaluation can
 use captions the target never saw.
 
     scenes = sample_scenes(64, seed=0, split="heldout")
@@ -11,9 +11,9 @@ use captions the target never saw.
 
 The toy world lives in `models/` because every package needs its captions: inference decodes
 held-out captions (`inference.bench`, `inference.calibrate`), data extracts features over them
-(`data.prompts`), training renders scenes to build the toy target (`training.toy_target`).
+(`data.prompts`), training renders scenes to build the toy target (`models.toy.train`).
 
-The geometry is laid out for the 6 x 6-pixel patch tokenizer (`models/vq.py`): a 36 x 36 canvas is
+The geometry is laid out for the 6 x 6-pixel patch tokenizer (`models/toy/vq.py`): a 36 x 36 canvas is
 a 6 x 6 grid of patches, and each of the 3 x 3 named positions is a 12 x 12 cell of 2 x 2 patches.
 A shape is centred on its cell's centre, which is a patch corner, so every shape is exactly four
 patch-sized quarter pieces and a caption fixes its pixels. Backgrounds are aligned to patches too
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.toy_world import (
+from models.toy.world import (
     BACKGROUNDS,
     COLOUR_NAMES,
     COLOURS,

@@ -8,8 +8,8 @@ with a caption from a small grammar, e.g.
 
 This module holds only the definitions that both sides need: the attribute values, the scene
 record, caption rendering and parsing, and the word vocabulary the caption encoder reads. Drawing
-scenes lives in `models/toy_scenes.py`; reading attributes back from pixels lives in
-`models/toy_metrics.py`.
+scenes lives in `models/toy/scenes.py`; reading attributes back from pixels lives in
+`models/toy/metrics.py`.
 """
 
 from __future__ import annotations

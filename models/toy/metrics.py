@@ -2,7 +2,7 @@
 
 `SceneReader` reads a scene's attributes back from pixels: for each of the nine named positions,
 whether a shape is there and its colour, kind and size, plus the background's kind and colour. It
-is trained here (`python -m training.toy_target --stage reader`) on rendered scenes, half of them
+is trained here (`python -m models.toy.train --stage reader`) on rendered scenes, half of them
 passed through the VQ so that it reads decoded images as well as clean ones.
 
 - Prompt fidelity (our CLIP-score analogue) is the fraction of images whose every attribute, as
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models.toy_world import BACKGROUNDS, COLOUR_NAMES, IMAGE_SIZE, POSITIONS, SHAPES, SIZES, parse_caption
+from models.toy.world import BACKGROUNDS, COLOUR_NAMES, IMAGE_SIZE, POSITIONS, SHAPES, SIZES, parse_caption
 
 NUM_POSITIONS = len(POSITIONS)
 # Per position: presence (2), colour, shape kind, size; then background kind and colour.

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models.toy_world import IMAGE_SIZE, PATCH_SIZE
+from models.toy.world import IMAGE_SIZE, PATCH_SIZE
 
 
 def image_to_patches(images: Tensor, patch: int) -> Tensor:

@@ -1,6 +1,6 @@
 """The toy world's target behind the `ImageTarget` interface: caption encoder + LlamaGen GPT + patch VQ.
 
-    target = ToyTarget.from_assets()                 # the shipped weights in models/assets/
+    target = ToyTarget.from_assets()                 # the shipped weights in models/toy/assets/
     conditioning = target.condition(["a small red circle at the top left on a plain blue background"])
 
 It follows LlamaGen's text-to-image sampler: the caption slots hold the caption features
@@ -19,8 +19,8 @@ from torch import Tensor
 
 from models.kv_cache import KVCache
 from models.target import Conditioning, DecoderTarget, ImageGeometry, SamplingDefaults, TargetOutput
-from models.toy_model import ToyTextToImage
-from models.vq import PatchVQ
+from models.toy.model import ToyTextToImage
+from models.toy.vq import PatchVQ
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # CFG 1.5 is where held-out prompt fidelity peaks (MODEL_CARD.md); top-k 256 of 4096 codes keeps about
@@ -54,7 +54,7 @@ class ToyTarget(DecoderTarget):
         for file in ("toy_target.safetensors", "toy_vq.safetensors"):
             if not (folder / file).exists():
                 raise FileNotFoundError(
-                    f"{folder / file} is missing; train it with `python -m training.toy_target --out {folder}`"
+                    f"{folder / file} is missing; train it with `python -m models.toy.train --out {folder}`"
                 )
         return cls(ToyTextToImage.load(folder / "toy_target.safetensors"), PatchVQ.load(folder / "toy_vq.safetensors"))
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from models.llamagen import LlamaGenConfig, LlamaGenTransformer
-from models.toy_world import IMAGE_SIZE, MAX_CAPTION_WORDS, PATCH_SIZE, WORDS, caption_word_ids
+from models.toy.world import IMAGE_SIZE, MAX_CAPTION_WORDS, PATCH_SIZE, WORDS, caption_word_ids
 
 
 @dataclass(kw_only=True)

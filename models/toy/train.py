@@ -1,16 +1,16 @@
 """Train the embedded toy world's models: the patch VQ, the text-to-image target and the scene reader.
 
-The shipped files in `models/assets/` were made in two rounds (`models/assets/MODEL_CARD.md`): a
+The shipped files in `models/toy/assets/` were made in two rounds (`models/toy/assets/MODEL_CARD.md`): a
 1024-code world first, then the 4096-code world warm-started from it, because a 4096-code target
 trained from scratch learns positions and backgrounds but, in 5000 steps, not which colour and shape
 the caption asks for (held-out prompt fidelity 0.035):
 
-    python -m training.toy_target --stage vq --num-codes 1024 --out work/toy1024           # 1.5 min
-    python -m training.toy_target --stage target --steps 5000 --out work/toy1024           # 37 min
-    python -m training.toy_target --stage vq --out models/assets                           # 4096 codes, 5 min
-    python -m training.toy_target --stage target --init-from work/toy1024 --steps 2000 --lr 1e-3 --out models/assets
-    python -m training.toy_target --stage reader --out models/assets                       # 4 min
-    python -m training.toy_target --stage eval --out models/assets --eval-cfg-scales 1,1.5,2,3
+    python -m models.toy.train --stage vq --num-codes 1024 --out work/toy1024           # 1.5 min
+    python -m models.toy.train --stage target --steps 5000 --out work/toy1024           # 37 min
+    python -m models.toy.train --stage vq --out models/toy/assets                           # 4096 codes, 5 min
+    python -m models.toy.train --stage target --init-from work/toy1024 --steps 2000 --lr 1e-3 --out models/toy/assets
+    python -m models.toy.train --stage reader --out models/toy/assets                       # 4 min
+    python -m inference.toy_eval --folder models/toy/assets --cfg-scales 1,1.5,2,3       # sample and score
 
 Stages (each writes one safetensors file into --out):
 
@@ -19,10 +19,12 @@ Stages (each writes one safetensors file into --out):
   caption dropout (the learned unconditional caption replaces 10 % of captions, for CFG) ->
   `toy_target.safetensors`; resumable from `toy_target.partial.pt` after an interruption;
   `--init-from FOLDER` starts from a target trained on another codebook (`warm_start`);
-- `eval`: samples held-out captions at each CFG scale of --eval-cfg-scales and prints prompt
-  fidelity, the FID-style distance to the true scenes, mean next-token entropy and top-1 probability;
 - `reader`: the CNN that reads scene attributes from pixels (prompt fidelity) and gives the
   FID-style features, trained on scenes both clean and passed through the VQ -> `scene_reader.safetensors`.
+
+Sampling the trained target (prompt fidelity, FID-style distance, entropy at several CFG scales)
+goes through the decoder's AR generation, so it is `python -m inference.toy_eval` (models import no
+other project package).
 
 Scenes are drawn from seeds derived from (seed, step), so a run is reproducible and a resumed run
 sees the same batches as an uninterrupted one.
@@ -42,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from models.toy_model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
-from models.toy_scenes import render_dataset
-from models.vq import PatchVQ, nearest_code, reconstruction_error
+from models.toy.model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
+from models.toy.scenes import render_dataset
+from models.toy.vq import PatchVQ, nearest_code, reconstruction_error
 
-ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def train_vq(out: Path, seed: int, num_codes: int, num_images: int = 8000) -> PatchVQ:
@@ -92,7 +94,7 @@ def warm_start(model: ToyTextToImage, vq: PatchVQ, source: Path) -> None:
     nearest in pixel space to each new code, so the caption encoder and the transformer keep what they
     learned and only the finer split of the codes is left to train.
     """
-    from models.toy_target import ToyTarget
+    from models.toy.target import ToyTarget
 
     old = ToyTarget.from_assets(source)  # names a missing file; checks that its VQ matches its GPT
     old_model, old_vq = old.network, old.vq
@@ -172,7 +174,7 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
 
     With `resume`, training continues from the reader already in `out` (a fresh schedule, new scenes).
     """
-    from models.toy_metrics import SceneReader, scene_labels
+    from models.toy.metrics import SceneReader, scene_labels
 
     torch.manual_seed(seed)
     reader = SceneReader.load(out / "scene_reader.safetensors").train() if resume else SceneReader()
@@ -201,66 +203,6 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
     reader.save(out / "scene_reader.safetensors")
 
 
-def evaluate(
-    folder: Path,
-    num_prompts: int,
-    cfg_scales: list[float],
-    seed: int,
-    grid_out: Path,
-    top_k: int | None = None,
-    samples_per_caption: int = 8,
-) -> None:
-    """Sample held-out captions with the trained target at several CFG scales; print fidelity, FID, entropy.
-
-    Each caption is sampled `samples_per_caption` times, so a caption's fidelity is a fraction and the
-    spread over captions gives a standard error; every scale after the first is also compared with
-    the first on the same captions (a paired difference with its standard error).
-    """
-    from inference.autoregressive import generate_ar
-    from inference.generate import image_grid
-    from models.toy_metrics import SceneReader, frechet_distance
-    from models.toy_target import ToyTarget
-
-    target = ToyTarget.from_assets(folder)
-    reader = SceneReader.load(folder / "scene_reader.safetensors")
-    captions, truth_pixels = render_dataset(num_prompts, seed=seed, split="heldout")
-    truth = torch.from_numpy(truth_pixels)
-    through_vq = target.vq.decode(target.vq.encode(truth))
-    print(f"{num_prompts} held-out captions, ground truth fidelity {reader.fidelity(truth, captions):.3f}, "
-          f"{reader.fidelity(through_vq, captions):.3f} after a VQ round trip (a ceiling for any target)")  # fmt: skip
-    errors = reader.attribute_errors(through_vq, captions)
-    print("VQ round trip: images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
-    print(f"sampling defaults: {target.sampling}" + (f", top_k overridden to {top_k}" if top_k is not None else ""))
-    print(f"{samples_per_caption} samples per caption; fidelity ± standard error over captions")
-    print("cfg_scale  fidelity         vs_first         fid_vs_truth  entropy_nats  top1_prob  seconds")
-    grid_out.mkdir(parents=True, exist_ok=True)
-    repeated = captions * samples_per_caption  # sample s of caption c sits at s * num_prompts + c
-    first: torch.Tensor | None = None
-    for scale in cfg_scales:
-        settings = dataclasses.replace(target.sampling, cfg_scale=scale)
-        if top_k is not None:
-            settings = dataclasses.replace(settings, top_k=top_k or None)  # 0 turns top-k off
-        generation = generate_ar(target, repeated, settings, torch.Generator().manual_seed(seed), progress=True)
-        images = target.decode_images(generation.tokens)
-        hits = reader.matches(images, repeated)  # (num_prompts * samples_per_caption,) bool
-        per_caption = hits.float().view(samples_per_caption, num_prompts).mean(0)  # (num_prompts,)
-        first = per_caption if first is None else first
-        difference = per_caption - first
-        distance = frechet_distance(truth, images[:num_prompts], reader)
-        print(f"{settings.cfg_scale:9.2f}  {per_caption.mean():.3f} ± {_standard_error(per_caption):.3f}  "
-              f"{difference.mean():+.3f} ± {_standard_error(difference):.3f}  {distance:12.2f}  "
-              f"{generation.mean_entropy:12.3f}  {generation.mean_top1:9.3f}  {generation.seconds:7.1f}")  # fmt: skip
-        errors = reader.attribute_errors(images, repeated)
-        print("           images with an error in: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
-        image_grid(images[:num_prompts].numpy(), columns=8).save(grid_out / f"heldout_cfg{scale:g}.png")
-    print(f"grids (the first sample of each caption) in {grid_out}")
-
-
-def _standard_error(values: torch.Tensor) -> float:
-    """Standard error of the mean of a 1-D tensor."""
-    return float(values.std(unbiased=True) / math.sqrt(values.numel())) if values.numel() > 1 else float("nan")
-
-
 def _atomic_save(obj: object, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -269,7 +211,7 @@ def _atomic_save(obj: object, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["vq", "target", "reader", "eval", "all"], default="all")
+    parser.add_argument("--stage", choices=["vq", "target", "reader", "all"], default="all")
     parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
     parser.add_argument("--num-codes", type=int, default=4096, help="--stage vq: codebook size")
     parser.add_argument("--steps", type=int, default=5000, help="target training steps")
@@ -279,11 +221,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reader-steps", type=int, default=1500)
     parser.add_argument("--reader-resume", action="store_true", help="continue training the reader in --out")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out captions sampled by --stage eval")
-    parser.add_argument("--eval-cfg-scales", default="1.0,1.5", help="comma-separated CFG scales for --stage eval")
-    parser.add_argument("--eval-samples", type=int, default=8, help="images sampled per caption by --stage eval")
-    parser.add_argument("--eval-top-k", type=int, help="override the target's top-k in --stage eval (0 = off)")
-    parser.add_argument("--eval-out", type=Path, default=Path("runs/toy_eval"), help="where --stage eval puts grids")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -296,9 +233,6 @@ def main(argv: list[str] | None = None) -> None:
         train_target(args.out, vq, args.steps, args.batch_size, args.lr, args.seed, args.init_from)
     if args.stage in ("reader", "all"):
         train_reader(args.out, vq, args.reader_steps, args.seed, resume=args.reader_resume)
-    if args.stage in ("eval", "all"):
-        scales = [float(s) for s in args.eval_cfg_scales.split(",")]
-        evaluate(args.out, args.eval_prompts, scales, args.seed, args.eval_out, args.eval_top_k, args.eval_samples)
 
 
 if __name__ == "__main__":

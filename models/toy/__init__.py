@@ -1,0 +1,38 @@
+"""The embedded toy text-to-image world, whole: captions, scenes, the VQ tokenizer, the target, its metrics.
+
+A tiny but real text-to-image target that every code path of the pipeline runs on a CPU: a caption
+grammar over shapes, colours, sizes, positions and backgrounds (`world`), a deterministic scene
+renderer and sampler (`scenes`), a 6x6-pixel patch VQ (`vq`), a caption encoder + LlamaGen GPT
+(`model`) behind the `ImageTarget` interface (`target`), a scene reader that reads captions back from
+pixels for prompt fidelity and FID-style features (`metrics`), the training of all three (`train`,
+`python -m models.toy.train`) and the shipped weights with their model card (`assets/`).
+
+The rest of the project sees the target through the registry (`load_target("toy")`) and uses only
+the names below; no module outside this package imports its submodules (tests/test_imports.py).
+"""
+
+from __future__ import annotations
+
+from models.toy.metrics import SceneFeatures, SceneReader, frechet_distance
+from models.toy.scenes import render_dataset, render_scene, toy_captions
+from models.toy.target import ASSETS, ToyTarget
+from models.toy.world import IMAGE_SIZE, parse_caption
+
+__all__ = [
+    "ASSETS",
+    "IMAGE_SIZE",
+    "SceneFeatures",
+    "SceneReader",
+    "ToyTarget",
+    "frechet_distance",
+    "parse_caption",
+    "render_dataset",
+    "render_scene",
+    "scene_reader",
+    "toy_captions",
+]
+
+
+def scene_reader() -> SceneReader:
+    """The shipped scene reader (`assets/scene_reader.safetensors`)."""
+    return SceneReader.load(ASSETS / "scene_reader.safetensors")
