@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from test_training_fit import ENV, REPO, tiny_dataset, tiny_run_config, write_yaml  # noqa: F401 (fixture)
 
 from data.drafter_data import DrafterDataModule
+from data.errors import DatasetError
 from training.fit import ExportDrafter, main
 from training.run_folder import RunFolderError, plan_run
 from training.system import DrafterSystem
@@ -193,3 +195,36 @@ def test_the_progress_bar_shows_no_negative_epoch_count_when_bounded_by_steps():
     bounded = StepBoundedProgressBar()
     bounded._trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=[bounded])
     assert bounded._get_train_description(1).strip() == "Epoch 1/2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["nan feature", "token out of range"])
+def test_a_damaged_shard_stops_fit_naming_shard_key_and_field_and_nothing_is_exported(
+    damage: str,
+    tiny_dataset: Path,  # noqa: F811
+    tmp_path: Path,
+    capsys,
+):
+    from data_damage import edit_sample, read_shard, rewrite_shard
+
+    from data.shards import load_manifest
+
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_dataset, shards)
+    info = load_manifest(shards).shards[1]
+    key = read_shard(shards / info.name)[1][0]  # the second sample of the second shard
+    if damage == "nan feature":
+        field, change = "aux", lambda arrays, meta: arrays["aux"].__setitem__((2, 3), float("nan"))
+    else:
+        field, change = "tokens", lambda arrays, meta: arrays["tokens"].__setitem__(1, 10**4)
+    rewrite_shard(shards, 1, edit_sample(key, change))
+    config = tiny_run_config(tmp_path, shards)
+    with pytest.raises(DatasetError) as error:  # training stops at the sample, before any export
+        main(["--config", str(config), "--validate_before", "false", "--data.num_val_shards", "0"])
+    assert f"{info.name}: sample {key}, field '{field}'" in str(error.value)
+    assert not any((tmp_path / "runs").rglob("model.safetensors"))
+    from data.extract import main as extract_main
+
+    capsys.readouterr()
+    assert extract_main(["--validate", str(shards), "--no-progress"]) == 1
+    assert f"sample {key}, field '{field}'" in capsys.readouterr().err
