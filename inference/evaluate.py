@@ -252,6 +252,8 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any] | None:
         drafter_digest = file_digest([folder / CONFIG_NAME, folder / WEIGHTS_NAME])
     identity = json.loads(json.dumps({
         "target": args.target,
+        # the loader's options (checkpoint paths included: images of two models must never mix); not the device
+        "target_options": {k: v for k, v in target_options.items() if k != "device"},
         "dtype": str(target.image_head_weight().dtype),
         "drafter": None if drafter is None else {"sha256": drafter_digest},
         "rule": "ar" if rule is None else rule_settings(rule),

@@ -167,10 +167,10 @@ class Quality:
     """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
 
     def __init__(self, target: ImageTarget) -> None:
-        from models.toy import ASSETS, SceneReader
+        from models.toy import scene_reader
 
         self.target = target
-        self.reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+        self.reader = scene_reader()
 
     def images(self, tokens: list[Tensor]) -> Tensor:
         """N x (G,) tokens -> (N, H, W, 3) uint8 on the CPU."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -292,7 +293,8 @@ def save_statistics(path: Path, stats: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as handle:
-        np.savez(handle, mu=stats["mu"], sigma=stats["sigma"], num_images=stats["num_images"],
+        count = -1 if stats["num_images"] is None else int(stats["num_images"])  # -1: unknown (a foreign .npz)
+        np.savez(handle, mu=stats["mu"], sigma=stats["sigma"], num_images=count,
                  feature_net=json.dumps(stats["feature_net"]), source=str(stats["source"]))  # fmt: skip
     os.replace(tmp, path)
 
@@ -301,12 +303,18 @@ def load_statistics(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Statistics from a `.npz` (mu, sigma; ours also name their feature network, which must be `info`'s)."""
     if not path.is_file():
         raise ScoringError(f"reference statistics {path} not found (expected a .npz with mu and sigma)")
-    with np.load(path, allow_pickle=False) as data:
-        if "mu" not in data or "sigma" not in data:
-            raise ScoringError(f"{path} holds {sorted(data.files)}; expected mu and sigma")
-        mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
-        made_with = json.loads(str(data["feature_net"])) if "feature_net" in data else None
-        count = int(data["num_images"]) if "num_images" in data else None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "mu" not in data or "sigma" not in data:
+                raise ScoringError(f"{path} holds {sorted(data.files)}; expected mu and sigma")
+            mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
+            made_with = json.loads(str(data["feature_net"])) if "feature_net" in data else None
+            count = int(data["num_images"]) if "num_images" in data else None
+    except ScoringError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:  # not an .npz, pickled members, damaged
+        raise ScoringError(f"{path} is not a readable .npz of mu and sigma ({error})") from error
+    count = None if count is not None and count < 0 else count
     if made_with is not None and made_with.get("sha256") != info["sha256"]:
         raise ScoringError(
             f"{path} was computed with feature network {made_with.get('name')} ({made_with.get('file')}), not "
@@ -401,10 +409,10 @@ def toy_scene_images(captions: Sequence[str], size: int | None, seed: int = 0) -
 
 def toy_fidelity(images: Tensor, captions: Sequence[str]) -> float | None:
     """The toy world's prompt fidelity of (N, 3, 36, 36) uint8 images; None when a caption is not of its grammar."""
-    from models.toy import ASSETS, SceneReader
+    from models.toy import scene_reader
 
     try:
-        reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+        reader = scene_reader()
         return reader.fidelity(images.permute(0, 2, 3, 1), list(captions))
     except ValueError:
         return None

@@ -198,6 +198,14 @@ def test_the_stream_checks_counts_and_keys_against_the_manifest(tmp_path):
     with pytest.raises(ShardError, match=rf"{first}: holds more samples than the 3 the manifest lists"):
         epoch(tmp_path)
     shutil.rmtree(tmp_path)
+    manifest = write_dataset(tmp_path, [3, 3], optional=OPTIONAL)  # the same on the last shard a worker reads
+    last = tmp_path / manifest.shards[1].name
+    extra = read_shard(last)
+    info = write_shard(last, [*extra, ("000000099", extra[0][1], extra[0][2])])
+    write_manifest(tmp_path, lambda v: v["shards"][1].update(sha256=info.sha256, num_bytes=info.num_bytes))
+    with pytest.raises(ShardError, match=rf"{last}: holds more samples than the 3 the manifest lists"):
+        epoch(tmp_path)
+    shutil.rmtree(tmp_path)
     manifest = write_dataset(tmp_path, [3, 3], optional=OPTIONAL)
     rewrite_shard(tmp_path, 1, lambda samples: [(f"{i:09d}", *s[1:]) for i, s in enumerate(samples)])  # keys 0..2
     second = tmp_path / manifest.shards[1].name

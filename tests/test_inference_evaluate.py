@@ -293,3 +293,17 @@ def test_the_fid_helper_inception_gives_2048_features_when_installed():
     assert info["num_features"] == 2048 and "UNVERIFIED" in info["note"] and info["preprocess_size"] == 256
     assert net(torch.zeros(2, 3, 256, 256, dtype=torch.uint8)).shape == (2, 2048)
     assert time.perf_counter() - started < 30
+
+
+def test_statistics_of_unknown_size_round_trip_and_a_damaged_npz_is_a_scoring_error(tmp_path):
+    from inference.scoring import ScoringError, load_statistics, save_statistics
+
+    info = {"name": "net", "file": "net.pt", "sha256": "abc", "num_features": 3}
+    foreign = {"mu": np.zeros(3), "sigma": np.eye(3), "num_images": None, "source": "other-tool.npz",
+               "feature_net": info}  # fmt: skip
+    save_statistics(tmp_path / "ours.npz", foreign)  # a foreign .npz carries no image count
+    loaded = load_statistics(tmp_path / "ours.npz", info)
+    assert loaded["num_images"] is None and np.array_equal(loaded["sigma"], np.eye(3))
+    (tmp_path / "broken.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ScoringError, match="broken.npz is not a readable .npz"):
+        load_statistics(tmp_path / "broken.npz", info)

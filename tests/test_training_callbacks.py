@@ -78,3 +78,22 @@ def test_decode_validation_checks_its_rules_and_tree_when_built():
         DecodeValidation(rules=["exact", "casacde"])
     with pytest.raises(ValueError, match="tree must be one of static"):
         DecodeValidation(tree="sampled")
+
+
+def test_a_rank_without_prompts_reduces_the_same_keys_as_one_with_them(tiny_dataset, monkeypatch):
+    """More ranks than prompts (8 prompts on 16 GPUs): every rank must enter the same all-reduce."""
+    from types import SimpleNamespace
+
+    system = DrafterSystem(target="tiny-toy", architecture="eagle3", preset="tiny")
+    system.frozen_target = shared_target("tiny-toy")
+    reduced: list[list[str]] = []  # the keys each rank put into the collective
+    monkeypatch.setattr(
+        DecodeValidation, "_all_reduce", staticmethod(lambda trainer, sums: reduced.append(sorted(sums)) or sums)
+    )
+    callback = DecodeValidation(rules=["exact", "cascade"], num_prompts=1, top_k=2, depth=2, total_tokens=4,
+                                log_images=False)  # fmt: skip
+    for rank in (0, 1):  # rank 0 decodes the single prompt, rank 1 none
+        trainer = SimpleNamespace(global_rank=rank, world_size=2, is_global_zero=rank == 0)
+        metrics = callback.evaluate(trainer, system)
+        assert {"decode/tau_exact", "decode/tau_cascade", "decode/target_forwards_ar"} <= set(metrics)
+    assert len(reduced) == 2 and reduced[0] == reduced[1], reduced

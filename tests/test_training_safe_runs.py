@@ -23,7 +23,7 @@ from test_training_fit import ENV, REPO, tiny_dataset, tiny_run_config, write_ya
 from data.drafter_data import DrafterDataModule
 from data.errors import DatasetError
 from training.fit import ExportDrafter, main
-from training.run_folder import RunFolderError, plan_run
+from training.run_folder import RunFolderError, clear_run, plan_run
 from training.system import DrafterSystem
 
 
@@ -61,7 +61,9 @@ def test_overwrite_clears_only_what_a_run_left(tmp_path: Path):
     (run / "events.out.tfevents.1.host").write_bytes(b"")
     (run / "notes.txt").write_text("mine")
     plan = plan_run(run, "", None, overwrite=True)
-    assert sorted(plan.cleared) == ["config.yaml", "drafter", "events.out.tfevents.1.host"]
+    assert sorted(plan.to_clear) == ["config.yaml", "drafter", "events.out.tfevents.1.host"]
+    assert len(list(run.iterdir())) == 4  # planning deletes nothing: a config error must leave the run in place
+    clear_run(plan)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 
 
@@ -74,6 +76,11 @@ def test_resume_last_picks_the_newest_version_and_continues_there(tmp_path: Path
     plan = plan_run(tmp_path, None, "last")
     assert plan.version == 1 and plan.ckpt_path == str(tmp_path / "version_1" / "checkpoints" / "last.ckpt")
     assert plan_run(tmp_path, None, str(tmp_path / "version_2" / "checkpoints" / "last.ckpt")).version == 2
+    relative = os.path.relpath(tmp_path / "version_2" / "checkpoints" / "last.ckpt")  # the same file, spelt otherwise
+    assert plan_run(tmp_path, None, relative).version == 2
+    best = tmp_path / "version_0" / "checkpoints" / "best-step=4.ckpt"
+    best.write_bytes(b"x")  # not the run's resume point: a new version, so version_0's last.ckpt stays
+    assert plan_run(tmp_path, None, str(best)).version is None
 
 
 def test_resume_last_without_a_checkpoint_names_where_it_looked(tmp_path: Path):
@@ -108,6 +115,12 @@ def test_a_second_fit_leaves_the_first_run_byte_identical(tiny_dataset: Path, tm
     second = first / "version_0"
     assert (second / "drafter" / "model.safetensors").is_file()
     assert {k: v for k, v in file_hashes(first).items() if not k.startswith("version_0/")} == before
+
+    with pytest.raises(ValueError, match="preset"):  # --overwrite with a broken config: the old run stays
+        main(["--config", config, "--overwrite", "true", "--model.preset", "no-such-preset"])
+    assert {k: v for k, v in file_hashes(first).items() if not k.startswith("version_0/")} == before
+    assert main(["--config", config, "--overwrite", "true", "--trainer.max_steps", "1"]) == 0  # asked: replaced
+    assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 1
 
 
 @pytest.mark.slow

@@ -37,6 +37,17 @@ from inference.speculative import DecoderConfig, generate_speculative
 from models.target import ImageTarget
 
 
+def gathered_parameters(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Under DeepSpeed ZeRO-3 (parameters sharded across ranks) gather `module`'s full parameters for
+    reading; a collective, so every rank must enter it. A no-op for unsharded modules."""
+    parameters = list(module.parameters())
+    if parameters and hasattr(parameters[0], "ds_id"):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def held_out_prompts(target: ImageTarget, count: int, seed: int) -> list[str]:
     """K prompts the drafter never trained on: the toy world's held-out captions, else PartiPrompts."""
     from data.prompts import PromptSetConfig, load_prompts
@@ -107,11 +118,17 @@ class DecodeValidation(Callback):
         rank, world = trainer.global_rank, trainer.world_size
         mine = prompts[rank::world]  # (K / W) prompts on this rank
         started = time.perf_counter()
-        sums = {"count": float(len(mine))}
+        reader = self._scene_reader(target)
+        # every rank reduces the same keys, also a rank left without prompts (more ranks than prompts)
+        sums = {"count": float(len(mine)), "target_forwards_ar": 0.0}
+        for name in rules:
+            sums.update({f"tau_{name}": 0.0, f"steps_{name}": 0.0, f"target_forwards_{name}": 0.0})
+        if reader is not None:
+            sums.update({f"fidelity_{name}": 0.0 for name in ["ar", *rules]})
         rows: list[np.ndarray] = []
-        if mine:
-            tokens: list[torch.Tensor] = []  # per method (AR first): (K / W, G) image tokens
-            with self._gathered(pl_module), _eval_mode(pl_module.drafter):
+        tokens: list[torch.Tensor] = []  # per method (AR first): (K / W, G) image tokens
+        with self._gathered(pl_module), _eval_mode(pl_module.drafter):  # a collective under ZeRO-3: every rank
+            if mine:
                 drafter = EagleDrafter(pl_module.drafter, target)
                 ar = generate_ar(target, mine, generator=self._generator(target, rank))
                 sums["target_forwards_ar"] = float(ar.target_forwards) * len(mine)
@@ -125,7 +142,7 @@ class DecodeValidation(Callback):
                     sums[f"steps_{name}"] = float(steps)
                     sums[f"target_forwards_{name}"] = float(result.target_forwards) * len(mine)
                     tokens.append(result.tokens)
-            reader = self._scene_reader(target)
+        if mine:
             images = self._decode(target, tokens) if (self.log_images or reader is not None) else None
             if images is not None:
                 if reader is not None:
@@ -182,19 +199,14 @@ class DecodeValidation(Callback):
     @staticmethod
     def _gathered(pl_module: Any) -> contextlib.AbstractContextManager:
         """ZeRO-3 shards parameters across ranks: gather the drafter's for decoding."""
-        parameters = list(pl_module.drafter.parameters())
-        if parameters and hasattr(parameters[0], "ds_id"):
-            import deepspeed
-
-            return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
-        return contextlib.nullcontext()
+        return gathered_parameters(pl_module.drafter)
 
     def _scene_reader(self, target: ImageTarget) -> Any:
         """The toy world's attribute reader (fidelity); None for targets it cannot read."""
         if self._reader is None and target.name == "toy":
-            from models.toy import ASSETS, SceneReader
+            from models.toy import scene_reader
 
-            self._reader = SceneReader.load(ASSETS / "scene_reader.safetensors")
+            self._reader = scene_reader()
         return self._reader
 
     def _log_grid(self, trainer: Any, rows: list[np.ndarray]) -> None:

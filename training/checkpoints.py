@@ -20,7 +20,8 @@ The drafter config is the checkpoint's `drafter_config` (it carries the vocabula
 reduced draft vocabulary), else `hyper_parameters["drafter"]`. Files are read with
 `torch.load(weights_only=True)` (tensors, plain containers and the few DeepSpeed types its checkpoints
 hold): a checkpoint that pickles anything else is refused with the object named. ZeRO partitions are
-consolidated by DeepSpeed's own loader.
+consolidated by DeepSpeed's own loader, which unpickles them fully, so every rank's file is screened
+with the safe loader first.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def _load_deepspeed(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         raise CheckpointError(f"{path}: the DeepSpeed model-states file {model_file} is missing")
     client_state = safe_torch_load(model_file)
     if zero_stage:  # the weights live in the per-rank fp32 optimizer partitions
+        for other in optim_files[1:]:  # DeepSpeed's consolidation unpickles every rank's file: screen them first
+            safe_torch_load(other)
         state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     else:  # no ZeRO: the full module state is saved as is
         state = client_state.get("module")

@@ -32,8 +32,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE as RICH_AVAILABLE
 
 from data.drafter_data import DrafterDataModule, resolve_config_path
-from training.callbacks import StepBoundedProgressBar
-from training.run_folder import RunFolderError, RunPlan, plan_run
+from training.callbacks import StepBoundedProgressBar, gathered_parameters
+from training.run_folder import RunFolderError, RunPlan, clear_run, plan_run
 from training.system import DrafterSystem
 
 
@@ -67,9 +67,11 @@ class ExportDrafter(Callback):
             if getattr(pl_module, "last_checkpoint_step", None) != trainer.global_step:
                 trainer.save_checkpoint(last)
                 checkpoint.last_model_path = str(last)
-        if trainer.is_global_zero and trainer.log_dir:
-            path = pl_module.export_drafter(Path(trainer.log_dir) / "drafter")
-            print(f"exported the drafter to {path}")
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
+        with gathered_parameters(pl_module.drafter):  # ZeRO-3: every rank gathers, rank 0 writes
+            if trainer.is_global_zero and log_dir:
+                path = pl_module.export_drafter(Path(log_dir) / "drafter")
+                print(f"exported the drafter to {path}")
 
 
 def process_rank() -> int:
@@ -123,13 +125,10 @@ class DrafterCLI(LightningCLI):
             return
         name = init_args.get("name") or ""
         root = Path(init_args.save_dir) / name
-        plan = plan_run(root, init_args.get("version"), config.get("ckpt_path"), bool(config.get("overwrite")),
-                        rank=process_rank())  # fmt: skip
+        plan = plan_run(root, init_args.get("version"), config.get("ckpt_path"), bool(config.get("overwrite")))
         init_args.version = plan.version
         config.ckpt_path = plan.ckpt_path
         self.run_plan = plan
-        if plan.cleared and process_rank() == 0:
-            print(f"--overwrite: cleared {', '.join(plan.cleared)} from {plan.folder}")
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """The trainer, with the step-bounded rich progress bar unless the config disables or chooses a bar."""
@@ -196,7 +195,7 @@ def _build_cli(argv: list[str], **kwargs: Any) -> DrafterCLI:
             "callbacks": [LearningRateMonitor(logging_interval="step"), ExportDrafter()],
             "logger": {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": "runs", "name": "drafter", "version": "", "default_hp_metric": False},
+                "init_args": {"save_dir": "runs", "name": "drafter", "version": None, "default_hp_metric": False},
             },
         },
         **kwargs,
@@ -213,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer, system, data = cli.trainer, cli.model, cli.datamodule
     ckpt_path = cli.config.get("ckpt_path")
     before: float | None = None
+    if cli.run_plan is not None and cli.run_plan.to_clear and process_rank() == 0:
+        clear_run(cli.run_plan)  # --overwrite: only now that the config, model, data and trainer are built
+        print(f"--overwrite: cleared {', '.join(cli.run_plan.to_clear)} from {cli.run_plan.folder}")
     if cli.config.get("validate_before") and ckpt_path is None and trainer.limit_val_batches != 0:
-        data.prepare_data()
         results = trainer.validate(system, datamodule=data, verbose=False)
         before = results[0].get("val/tau_sim") if results else None
     trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)

@@ -11,11 +11,14 @@ go to `<run folder>/checkpoints`, the exported drafter to `<run folder>/drafter`
     --ckpt_path last              -> the newest `checkpoints/last.ckpt` among the run folders the
                                      logger's settings allow; the run continues in that folder; none
                                      is an error naming where it looked (never a silent fresh start)
-    --ckpt_path PATH              -> PATH must exist; a checkpoint inside `<name>/version_<N>/checkpoints`
-                                     continues in version_<N>
+    --ckpt_path PATH              -> PATH must exist; a `last.ckpt` inside `<name>/version_<N>/checkpoints`
+                                     continues in version_<N>; any other checkpoint (a best-by-metric one,
+                                     another logger's) starts the next version_N, so no run's newer
+                                     last.ckpt is overwritten
 
 The decision reads the file system only, so every rank of a DDP job reaches the same one before the
-first rendezvous; only rank 0 clears a folder for `--overwrite`.
+first rendezvous; only rank 0 clears a folder for `--overwrite`, and only once the run is built
+(a config error leaves the old run in place).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class RunPlan:
     version: int | str | None  # the logger's version: None = next free version_N, int = version_N, str = that folder
     ckpt_path: str | None  # the checkpoint file (or DeepSpeed folder) to resume, never "last"
     folder: Path | None  # the run folder when it is known before the logger picks one
-    cleared: list[str]  # entries removed on --overwrite
+    to_clear: list[str]  # entries `clear_run` removes (--overwrite), once the run is built
 
 
 def run_entries(folder: Path) -> list[str]:
@@ -71,9 +74,7 @@ def _last_checkpoint(folder: Path) -> Path | None:
     return path if path.exists() else None
 
 
-def plan_run(
-    root: str | Path, version: int | str | None, ckpt_path: str | None, overwrite: bool = False, rank: int = 0
-) -> RunPlan:
+def plan_run(root: str | Path, version: int | str | None, ckpt_path: str | None, overwrite: bool = False) -> RunPlan:
     """Resolve the run folder and checkpoint for a logger rooted at `root` (= save_dir/name); see the module doc."""
     root = Path(root)
     if ckpt_path == "last":
@@ -82,9 +83,11 @@ def plan_run(
         path = Path(ckpt_path)
         if not path.exists():
             raise RunFolderError(f"--ckpt_path {ckpt_path}: no such checkpoint file or folder")
-        if version is None and path.parent.name == "checkpoints" and path.parent.parent.parent == root:
-            match = _VERSION.fullmatch(path.parent.parent.name)
-            if match:  # resuming one of this logger's runs: continue in its folder
+        resolved = path.resolve()
+        in_this_logger = resolved.parent.name == "checkpoints" and resolved.parent.parent.parent == root.resolve()
+        if version is None and in_this_logger and resolved.name == LAST_CHECKPOINT:
+            match = _VERSION.fullmatch(resolved.parent.parent.name)
+            if match:  # resuming one of this logger's runs from its last.ckpt: continue in its folder
                 version = int(match.group(1))
         folder = None if version is None else version_folder(root, version)
         return RunPlan(version, str(path), folder, [])
@@ -98,11 +101,19 @@ def plan_run(
             "--ckpt_path last, give this run its own folder with --trainer.logger.init_args.version null "
             "(the next version_N) or another version, or replace it with --overwrite true"
         )
-    if entries and rank == 0:
-        for name in entries:
-            target = folder / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-    return RunPlan(version, None, folder, entries)
+    return RunPlan(version, None, folder, entries if overwrite else [])
+
+
+def clear_run(plan: RunPlan) -> None:
+    """Remove what `plan` lists from its folder (--overwrite); call on one rank, after the run is built."""
+    if plan.folder is None:
+        return
+    for name in plan.to_clear:
+        target = plan.folder / name
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)  # another node on shared storage may be clearing too
+        else:
+            target.unlink(missing_ok=True)
 
 
 def _plan_resume_last(root: Path, version: int | str | None) -> RunPlan:

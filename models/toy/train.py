@@ -46,9 +46,8 @@ from tqdm import tqdm
 
 from models.toy.model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImage
 from models.toy.scenes import render_dataset
+from models.toy.target import ASSETS
 from models.toy.vq import PatchVQ, nearest_code, reconstruction_error
-
-ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def train_vq(out: Path, seed: int, num_codes: int, num_images: int = 8000) -> PatchVQ:
