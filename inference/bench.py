@@ -51,7 +51,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,6 +65,7 @@ from tqdm import tqdm
 
 from inference.autoregressive import generate_ar
 from inference.cost import run_count_ops
+from inference.files import write_atomic, write_json
 from inference.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -75,7 +75,7 @@ from inference.generate import (
     read_prompt_lines,
     rule_settings,
 )
-from inference.report import Quality, format_markdown, format_table, plot_sweep, sweep_title, write_json
+from inference.report import Quality, format_markdown, format_table, plot_sweep, sweep_title
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.step_latency import add_latency_arguments, run_latency_command
 from inference.verify import Rule
@@ -466,10 +466,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.out:
         write_json(summary, args.out)
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.markdown.with_name(args.markdown.name + ".tmp")
-        tmp.write_text(format_markdown(records, summary["command"], summary), encoding="utf-8")
-        os.replace(tmp, args.markdown)
+        write_atomic(args.markdown, format_markdown(records, summary["command"], summary))
         print(f"wrote {args.markdown}")
     if args.sweep:
         plot = args.plot or (args.out.with_suffix(".png") if args.out else Path("pareto.png"))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.files import write_json
 from inference.rules import CascadeRule, centred_unit
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import Tree
@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
     record = calibrate(target, drafter, prompts, quantiles={"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq})
     record["command"] = ["python", "-m", "inference.calibrate", *(argv if argv is not None else sys.argv[1:])]
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, out)
+    write_json(record, out)
     print(
         json.dumps(
             {k: record[k] for k in ("target", "tau_pos", "tau_seq", "sibling_similarity", "parent_similarity")},

@@ -24,21 +24,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from inference.files import TEMP_NAME, host_name, write_atomic, write_json
 from inference.generate import TAU_DEFINITION
 
 RUN_FILE = "run.json"
 IMAGES_DIR, RECORDS_DIR = "images", "records"
 MERGED_FILE, SUMMARY_FILE, SCORES_FILE = "images.jsonl", "summary.json", "scores.json"
 TIMING_KEYS = ("seconds", "wall_seconds")  # the only record fields that differ between two runs of one identity
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.tmp$")
 
 
 class RunFolderError(ValueError):
@@ -51,17 +49,6 @@ def image_name(index: int) -> str:
 
 def record_name(index: int) -> str:
     return f"{index:05d}.json"
-
-
-def _host() -> str:
-    return socket.gethostname().replace(".", "-") or "host"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary name in the same folder, then rename."""
-    tmp = path.with_name(f".{path.name}.{_host()}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:
@@ -83,10 +70,10 @@ def remove_stale_temps(out: Path, mine: Iterable[int] = ()) -> int:
         if not folder.is_dir():
             continue
         for path in folder.iterdir():
-            match = _TEMP.match(path.name)
+            match = TEMP_NAME.match(path.name)
             if match is None:
                 continue
-            dead = match["host"] == _host() and not _alive(int(match["pid"]))
+            dead = match["host"] == host_name() and not _alive(int(match["pid"]))
             if dead or (folder != out and match["name"] in owned):
                 path.unlink(missing_ok=True)
                 removed += 1
@@ -117,13 +104,13 @@ def claim_folder(out: Path, identity: dict[str, Any], info: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     path = out / RUN_FILE
     if not path.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name != RUN_FILE and not _TEMP.match(p.name))
+        foreign = sorted(p.name for p in out.iterdir() if p.name != RUN_FILE and not TEMP_NAME.match(p.name))
         if foreign:
             raise RunFolderError(
                 f"{out} holds {', '.join(foreign[:5])} but no {RUN_FILE}: it is not an inference.evaluate run "
                 "folder; choose an empty or new folder (nothing was written)"
             )
-        tmp = path.with_name(f".{RUN_FILE}.{_host()}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{RUN_FILE}.{host_name()}.{os.getpid()}.tmp")  # link, not rename: exclusive
         tmp.write_text(json.dumps({"identity": identity, **info}, indent=2) + "\n", encoding="utf-8")
         try:
             os.link(tmp, path)  # exclusive create: another rank may have written it a moment ago
@@ -164,7 +151,7 @@ def save_image(out: Path, index: int, png: bytes, record: dict[str, Any]) -> Non
     (out / IMAGES_DIR).mkdir(exist_ok=True)
     (out / RECORDS_DIR).mkdir(exist_ok=True)
     write_atomic(out / IMAGES_DIR / image_name(index), png)
-    write_atomic(out / RECORDS_DIR / record_name(index), (json.dumps(record) + "\n").encode("utf-8"))
+    write_atomic(out / RECORDS_DIR / record_name(index), json.dumps(record) + "\n")
 
 
 def read_record(out: Path, index: int) -> dict[str, Any]:
@@ -202,9 +189,9 @@ def finalise(out: Path, count: int) -> dict[str, Any] | None:
     if not all(is_done(out, i) for i in range(count)):
         return None
     records = [read_record(out, i) for i in range(count)]
-    write_atomic(out / MERGED_FILE, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
+    write_atomic(out / MERGED_FILE, "".join(json.dumps(r) + "\n" for r in records))
     summary = {"identity": read_run(out)["identity"], **summarise_records(records)}
-    write_atomic(out / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    write_json(summary, out / SUMMARY_FILE)
     return summary
 
 
@@ -227,7 +214,3 @@ def load_finished(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if len(records) != count:
         raise RunFolderError(f"{path} holds {len(records)} records, {RUN_FILE} says {count} captions")
     return run, records
-
-
-def write_json(path: Path, payload: Any) -> None:
-    write_atomic(path, (json.dumps(payload, indent=2) + "\n").encode("utf-8"))

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.eval_folder import SCORES_FILE, load_finished, summarise_records, write_atomic, write_json
+from inference.eval_folder import SCORES_FILE, load_finished, summarise_records
+from inference.files import write_atomic, write_json
 from inference.generate import TAU_DEFINITION
 
 
@@ -106,6 +107,6 @@ def write_table(rows: Sequence[dict[str, Any]], prefix: Path) -> tuple[Path, Pat
     """Write PREFIX.md and PREFIX.json; returns both paths."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     markdown, payload = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
-    write_atomic(markdown, format_markdown(rows).encode("utf-8"))
-    write_json(payload, {"tau_definition": TAU_DEFINITION, "rows": list(rows)})
+    write_atomic(markdown, format_markdown(rows))
+    write_json({"tau_definition": TAU_DEFINITION, "rows": list(rows)}, payload)
     return markdown, payload

@@ -326,7 +326,8 @@ def build_score_parser() -> argparse.ArgumentParser:
 def run_score(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Score every run; returns what was written to each scores.json."""
     from inference import scoring
-    from inference.eval_folder import SCORES_FILE, load_finished, write_json
+    from inference.eval_folder import SCORES_FILE, load_finished
+    from inference.files import write_json
 
     if args.ref is None and args.clip is None:
         raise SystemExit("nothing to score: give --ref (FID) and/or --clip (CLIP score)")
@@ -371,7 +372,7 @@ def run_score(args: argparse.Namespace) -> list[dict[str, Any]]:
                 scores |= {"clip_score": value, "clip_cosine": value / 100, "clip_model": str(args.clip),
                            "clip_prefix": args.clip_prefix}  # fmt: skip
             scores = _merge_scores(folder / SCORES_FILE, scores)
-            write_json(folder / SCORES_FILE, scores)
+            write_json(scores, folder / SCORES_FILE)
             shown = ", ".join(f"{k} {scores[k]:.4f}" for k in ("fid", "clip_cosine", "prompt_fidelity")
                               if scores.get(k) is not None)  # fmt: skip
             print(f"{folder}: {shown} ({len(records)} images) -> {folder / SCORES_FILE}")

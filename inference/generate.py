@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import io
 import math
-import os
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +41,7 @@ from tqdm import tqdm
 
 from inference.autoregressive import generate_ar
 from inference.calibrate import load_calibration
+from inference.files import write_atomic, write_json
 from inference.rules import RULES, GSDRule, LanternRule, Rule
 from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.verify import build_latent_neighbours
@@ -82,9 +82,9 @@ def read_prompt_lines(path: Path) -> list[str]:
 def _save_png(image: np.ndarray | Image.Image, path: Path) -> None:
     """Write a PNG atomically (temporary name, then rename)."""
     picture = image if isinstance(image, Image.Image) else Image.fromarray(image)
-    tmp = path.with_name(path.name + ".tmp")
-    picture.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    write_atomic(path, buffer.getvalue())
 
 
 def rule_options(name: str) -> dict[str, str]:
@@ -331,9 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         summary["note"] = "plain autoregressive sampling: one target forward per image token"
     summary["images"] = records
-    tmp = args.out / "generation.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, args.out / "generation.json")
+    write_json(summary, args.out / "generation.json")
     print(f"wrote {len(records)} images and grid.png to {args.out}")
 
 

@@ -11,9 +11,9 @@ the time split of a step); nothing here decodes.
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.files import write_atomic
 from models.target import ImageTarget
 
 
@@ -142,11 +143,10 @@ def plot_sweep(records: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(path, buffer.getvalue())
 
 
 def _varying_settings(points: Sequence[dict[str, Any]]) -> list[str]:
@@ -197,11 +197,3 @@ class Quality:
             return None
         value = frechet_distance(reference, images, self.reader)
         return value if math.isfinite(value) else None
-
-
-def write_json(summary: dict[str, Any], path: Path) -> None:
-    """Write `summary` as JSON atomically (temporary name, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, path)

@@ -26,8 +26,8 @@ Shapes: N images, d features, S network input size.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
-import os
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -40,6 +40,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from inference.eval_folder import file_digest
+from inference.files import write_atomic
 
 CLEAN_FID_SIZE = 256
 INCEPTION_INPUT = 299
@@ -290,13 +291,11 @@ def reference_statistics(
 
 def save_statistics(path: Path, stats: dict[str, Any]) -> None:
     """Write mu, sigma, num_images and the feature network's identity to a `.npz` (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as handle:
-        count = -1 if stats["num_images"] is None else int(stats["num_images"])  # -1: unknown (a foreign .npz)
-        np.savez(handle, mu=stats["mu"], sigma=stats["sigma"], num_images=count,
-                 feature_net=json.dumps(stats["feature_net"]), source=str(stats["source"]))  # fmt: skip
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    count = -1 if stats["num_images"] is None else int(stats["num_images"])  # -1: unknown (a foreign .npz)
+    np.savez(buffer, mu=stats["mu"], sigma=stats["sigma"], num_images=count,
+             feature_net=json.dumps(stats["feature_net"]), source=str(stats["source"]))  # fmt: skip
+    write_atomic(path, buffer.getvalue())
 
 
 def load_statistics(path: Path, info: dict[str, Any]) -> dict[str, Any]:

@@ -388,8 +388,8 @@ def run_latency_command(
 
     `rule_specs`: (label, rule name, options) of the rules to time (bench's parsed `--rules`).
     """
+    from inference.files import write_json
     from inference.generate import build_rule, decoder_config
-    from inference.report import write_json
 
     if args.tau is not None and args.tau < 1.0:
         raise SystemExit(f"--tau counts accepted drafts + 1 per target forward: it must be >= 1, got {args.tau}")

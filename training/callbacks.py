@@ -127,7 +127,7 @@ class DecodeValidation(Callback):
             sums.update({f"fidelity_{name}": 0.0 for name in ["ar", *rules]})
         rows: list[np.ndarray] = []
         tokens: list[torch.Tensor] = []  # per method (AR first): (K / W, G) image tokens
-        with self._gathered(pl_module), _eval_mode(pl_module.drafter):  # a collective under ZeRO-3: every rank
+        with gathered_parameters(pl_module.drafter), _eval_mode(pl_module.drafter):  # ZeRO-3: every rank
             if mine:
                 drafter = EagleDrafter(pl_module.drafter, target)
                 ar = generate_ar(target, mine, generator=self._generator(target, rank))
@@ -195,11 +195,6 @@ class DecodeValidation(Callback):
         values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
         values = trainer.strategy.reduce(values, reduce_op="sum")
         return dict(zip(keys, values.tolist(), strict=True))
-
-    @staticmethod
-    def _gathered(pl_module: Any) -> contextlib.AbstractContextManager:
-        """ZeRO-3 shards parameters across ranks: gather the drafter's for decoding."""
-        return gathered_parameters(pl_module.drafter)
 
     def _scene_reader(self, target: ImageTarget) -> Any:
         """The toy world's attribute reader (fidelity); None for targets it cannot read."""

@@ -30,11 +30,12 @@ _writes = 0
 _write_atomic = eval_folder.write_atomic
 
 
-def _dying_write(path: Path, data: bytes) -> None:
+def _dying_write(path: Path, data: bytes | str) -> None:
     global _writes
     _writes += 1
     if _writes == KILL_AT:
-        path.with_name(f".{path.name}.{eval_folder._host()}.{os.getpid()}.tmp").write_bytes(data[: len(data) // 2])
+        raw = data.encode("utf-8") if isinstance(data, str) else data
+        path.with_name(f".{path.name}.{eval_folder.host_name()}.{os.getpid()}.tmp").write_bytes(raw[: len(raw) // 2])
         os.kill(os.getpid(), signal.SIGKILL)
     _write_atomic(path, data)
 
