@@ -105,6 +105,15 @@ def build_draft_attention_mask(
     return torch.cat([context, (tree_mask & valid[:, None, :]) | eye], dim=-1)
 
 
+def tree_attention_mask(cache: KVCache, tree_start: int, tree_mask: Tensor) -> Tensor:
+    """`build_draft_attention_mask` for a tree level whose T new elements are all valid and whose
+    `tree_mask` (R, T, cache.length - tree_start + T) already lets each element see itself (an
+    ancestor-or-self mask): the committed columns' validity, then the tree mask. -> (R, T, S) bool."""
+    rows, length = tree_mask.shape[:2]
+    context = cache.column_valid[:, None, :tree_start].expand(rows, length, tree_start)  # (R, T, start)
+    return torch.cat([context, tree_mask], dim=-1)
+
+
 def to_rows(x: Tensor, cfg: bool) -> Tensor:
     """Per-prompt (B, ...) -> per-row (R, ...): the conditional and unconditional rows share tokens."""
     return torch.cat([x, x]) if cfg else x
@@ -136,27 +145,36 @@ class DraftContext:
     settings: SamplingDefaults
     cfg: bool
     root_index: Tensor  # (B,) image-token index of the root
+    max_depth: int  # deepest draft level of the tree
     forwards: int = 0  # drafter calls made while drafting this tree
+
+    def __post_init__(self) -> None:
+        # image index of every level, built once per step: level d's nodes sit at root + d, and their
+        # outputs predict root + d + 1 (past the end: never accepted, any position does)
+        steps = torch.arange(self.max_depth + 2, device=self.root_index.device)
+        index = (self.root_index[:, None] + steps).clamp_max(self.target.geometry.num_tokens - 1)  # (B, D + 2)
+        self.level_index = index
+        self.level_positions = to_rows(self.target.image_positions(index), self.cfg)  # (R, D + 2)
 
     def run_level(
         self, parent_hidden: Tensor, tokens: Tensor, depth: int, tree_start: int, tree_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
-        tree_mask (B, W, J + W) -> q (B, W, V), hidden (R, W, D)."""
-        index = (self.root_index[:, None] + depth).clamp_max(self.target.geometry.num_tokens - 1)  # past the end:
-        positions = self.target.image_positions(index.expand_as(tokens))  # never accepted, any position does
+        tree_mask (B, W, J + W), or (W, J + W) shared by every row -> q (B, W, V), hidden (R, W, D)."""
+        rows, width = parent_hidden.shape[:2]
+        shared = tree_mask.dim() == 2
         out = self.drafter.forward(
             parent_hidden,
             to_rows(tokens, self.cfg),
-            to_rows(positions, self.cfg),
+            self.level_positions[:, depth : depth + 1].expand(rows, width),
             self.cache,
             from_target=False,
             tree_start=tree_start,
-            tree_mask=to_rows(tree_mask, self.cfg),
+            tree_mask=tree_mask.expand(rows, -1, -1) if shared else to_rows(tree_mask, self.cfg),
         )
         self.forwards += 1
-        predicted = (self.root_index[:, None] + depth + 1).clamp_max(self.target.geometry.num_tokens - 1)
-        q = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted.expand_as(tokens))
+        predicted = self.level_index[:, depth + 1 : depth + 2].expand(tokens.shape)
+        q = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
         return q, out.hidden
 
 
@@ -172,7 +190,9 @@ def draft_static_tree(
     """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
 
     Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
-    rank order (deterministic drafts, q_cond = 1). One drafter call per level with children.
+    rank order (deterministic drafts, q_cond = 1). One drafter call per level with children; each
+    level's nodes are contiguous, so its tokens and draw probabilities are gathered once and
+    concatenated at the end.
 
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
@@ -180,37 +200,33 @@ def draft_static_tree(
     """
     batch, vocab = root_q.shape
     device = root_q.device
-    num_nodes = spec.num_nodes
     if spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
-    tokens = torch.zeros(batch, num_nodes, dtype=torch.long, device=device)
-    tokens[:, 0] = root_token
-    q_cond = torch.ones(batch, num_nodes, device=device)
-    q_full = torch.zeros(batch, num_nodes, vocab, device=device)
+    token_levels = [root_token[:, None]]  # per level (B, L)
+    q_cond = torch.ones(batch, spec.num_nodes, device=device)
+    q_full = root_q.new_zeros(batch, spec.num_nodes, vocab)
     q_full[:, 0] = root_q
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
     tree_start = ctx.cache.length
     for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
-            draws = level_q.topk(level.width, dim=-1).indices
-            probs = torch.ones(level_q.shape[:-1] + (level.width,), device=device)
+            draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
         else:
             draws, probs = gumbel_topk(level_q, level.width, generator)  # (B, W_prev, width)
-        tokens[:, level.nodes] = draws[:, level.parent_slot, level.rank]
-        q_cond[:, level.nodes] = probs[:, level.parent_slot, level.rank].float()
+            q_cond[:, level.first : level.first + len(level.nodes)] = probs.flatten(1)[:, level.draw]
+        level_tokens = draws.flatten(1)[:, level.draw]  # (B, L)
+        token_levels.append(level_tokens)
         if depth == spec.max_depth:
             break
-        mask = level.mask.expand(batch, -1, -1)  # (B, W, J + W)
         level_q, level_hidden = ctx.run_level(
-            level_hidden[:, level.hidden_slot], tokens[:, level.expanded], depth, tree_start, mask
+            level_hidden[:, level.hidden_slot], level_tokens[:, level.expanded_slot], depth, tree_start, level.mask
         )
         q_full[:, level.expanded] = level_q
-    depths = torch.tensor(spec.depths, device=device).expand(batch, -1)
-    parents_t = torch.tensor(spec.parents, device=device).expand(batch, -1)
+    parents, depths = spec.structure(device)
     return Tree(
-        tokens,
-        parents_t,
-        depths,
+        torch.cat(token_levels, dim=1),
+        parents.expand(batch, -1),
+        depths.expand(batch, -1),
         q_cond,
         q_full,
         sampled=not greedy,

@@ -14,13 +14,16 @@ Shapes: R rows, T new elements, S cache columns, H drafter hidden size, Df featu
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from inference.drafter import DraftOutput, build_draft_attention_mask
+from inference.drafter import DraftOutput, build_draft_attention_mask, tree_attention_mask
 from models.eagle import CONFIG_NAME, WEIGHTS_NAME, EagleDraftModel
+from models.eagle_fused import FusedDraftStep
 from models.kv_cache import KVCache
 from models.target import Conditioning, ImageTarget, TargetOutput
 
@@ -80,6 +83,8 @@ class EagleDrafter:
     def __init__(self, model: EagleDraftModel, target: ImageTarget) -> None:
         check_compatible(model, target)
         self.model = model.eval()
+        self.step = FusedDraftStep(self.model)  # the same computation in fewer ops (models.eagle_fused)
+        self._run_step: Callable[..., Tensor] = self.step
         self.target = target
         self.feature_source = "hidden" if model.config.architecture == "eagle1" else "aux"
 
@@ -120,15 +125,22 @@ class EagleDrafter:
         tree_start: int | None = None,
         tree_mask: Tensor | None = None,
     ) -> DraftOutput:
-        if valid is None:
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-        mask = build_draft_attention_mask(cache, valid, tree_start, tree_mask)  # (R, T, S)
-        hidden, _, _ = self.model(
-            self.target.embed_image_tokens(tokens), features, positions, mask, from_target=from_target, cache=cache
-        )
-        cache.advance(valid)
-        logits = self.model.to_image_vocab(self.model.draft_logits(hidden, self.image_head))  # (R, T, V)
+        if valid is None and tree_mask is not None and tree_start is not None:  # a tree level: all nodes valid
+            mask = tree_attention_mask(cache, tree_start, tree_mask)  # (R, T, S)
+        else:
+            if valid is None:
+                valid = torch.ones_like(tokens, dtype=torch.bool)
+            mask = build_draft_attention_mask(cache, valid, tree_start, tree_mask)
+        hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
+                           from_target=from_target, cache=cache)  # fmt: skip
+        cache.advance(tokens.shape[1] if valid is None else valid)
+        logits = self.model.to_image_vocab(self.step.draft_logits(hidden, self.image_head))  # (R, T, V)
         return DraftOutput(logits.float(), hidden)
+
+    def compile(self, **options: Any) -> None:
+        """Run the drafter step through `torch.compile(step, **options)` (`inference.compiled`)."""
+        self.step.weights()  # fuse before tracing: the rebuild check stays outside the graph
+        self._run_step = torch.compile(self.step.__call__, **options)
 
     def image_head(self, hidden: Tensor) -> Tensor:
         weight = self.target.image_head_weight()

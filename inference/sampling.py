@@ -33,7 +33,7 @@ def guided_logits(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tens
 
 def filter_logits(logits: Tensor, settings: SamplingDefaults) -> Tensor:
     """Temperature, then top-k, then top-p; removed tokens get -inf. Greedy (T = 0) keeps logits unscaled."""
-    if settings.temperature > 0:
+    if settings.temperature > 0 and settings.temperature != 1.0:  # x / 1 is x: no op to pay for
         logits = logits / settings.temperature
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
         kth = logits.topk(settings.top_k, dim=-1).values[..., -1:]

@@ -85,6 +85,9 @@ class LevelPlan:
     """One level of a static tree as index tensors (`StaticTreeSpec.plan`)."""
 
     nodes: Tensor  # (L,) node indices of the level
+    first: int  # the level's nodes are first .. first + L - 1 (nodes are ordered by depth)
+    draw: Tensor  # (L,) parent_slot * width + rank: each node's draw in the flattened (W_prev * width) draws
+    expanded_slot: Tensor  # (W,) positions of the expanded nodes within the level
     parent_slot: Tensor  # (L,) each node's parent among the previous level's expanded nodes
     rank: Tensor  # (L,) which draw of its parent each node takes
     width: int  # draws per parent
@@ -158,12 +161,18 @@ class StaticTreeSpec:
             slot = {node: i for i, node in enumerate(expanded)}
             next_expanded = self.expanded(depth) if depth < self.max_depth else []
             run_columns = run_columns + next_expanded
+            width = max(self.ranks[n] for n in nodes) + 1
             plans.append(
                 LevelPlan(
                     nodes=torch.tensor(nodes, device=device),
+                    first=nodes[0],
+                    draw=torch.tensor([slot[self.parents[n]] * width + self.ranks[n] for n in nodes], device=device),
+                    expanded_slot=torch.tensor(
+                        [nodes.index(n) for n in next_expanded], dtype=torch.long, device=device
+                    ),  # fmt: skip
                     parent_slot=torch.tensor([slot[self.parents[n]] for n in nodes], device=device),
                     rank=torch.tensor([self.ranks[n] for n in nodes], device=device),
-                    width=max(self.ranks[n] for n in nodes) + 1,
+                    width=width,
                     expanded=torch.tensor(next_expanded, dtype=torch.long, device=device),
                     hidden_slot=torch.tensor(
                         [slot[self.parents[n]] for n in next_expanded], dtype=torch.long, device=device
@@ -173,6 +182,11 @@ class StaticTreeSpec:
             )
             expanded = next_expanded
         return plans
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
+    def structure(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(parents (1, N), depths (1, N)) int64 on `device`, built once."""
+        return torch.tensor([self.parents], device=device), torch.tensor([self.depths], device=device)
 
     def expanded(self, depth: int) -> list[int]:
         """Nodes at `depth` that have children: the ones the drafter must run on."""
@@ -243,10 +257,9 @@ def gumbel_topk(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[T
         q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
         Tokens with q = 0 come last and get probability 0.
     """
-    uniform = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1 - 1e-7)))
-    keys = torch.where(q > 0, q.float().clamp_min(1e-30).log() + gumbel, float("-inf"))
-    tokens = keys.topk(k, dim=-1).indices  # (..., k)
+    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): 3 ops, no logs. q = 0 keys 0, last.
+    race = torch.empty(q.shape, device=q.device, dtype=torch.float32).exponential_(generator=generator)
+    tokens = (q.float() / race).topk(k, dim=-1).indices  # (..., k)
     return tokens, conditional_draw_probs(q, tokens)
 
 

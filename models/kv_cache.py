@@ -69,10 +69,15 @@ class KVCache:
         self.values[layer, :, :, self.length : end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def advance(self, new_valid: Tensor) -> None:
-        """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool."""
-        end = self.length + new_valid.shape[1]
-        self.column_valid[:, self.length : end] = new_valid
+    def advance(self, new_valid: Tensor | int) -> None:
+        """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool, or the
+        count T when all of them are valid (one fill, no mask tensor)."""
+        count = new_valid if isinstance(new_valid, int) else new_valid.shape[1]
+        end = self.length + count
+        if isinstance(new_valid, int):
+            self.column_valid[:, self.length : end].fill_(True)
+        else:
+            self.column_valid[:, self.length : end] = new_valid
         self.length = end
 
     def truncate(self, length: int) -> None:

@@ -42,6 +42,12 @@ def test_ttt_mask_is_causal_context_plus_own_ancestors():
     assert mask[1, 2].tolist() == [True, True, True, False, False, True, False, False, True]  # padding sees itself
 
 
+def close_in_fp32(decoded: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Equal up to fp32 rounding relative to the vector's scale: the decoder multiplies fused, pre-transposed
+    weights (models.eagle_fused), so its sums round differently from the training modules' on large values."""
+    return bool((decoded - reference).abs().max() <= 1e-5 + 1e-5 * reference.abs().max())
+
+
 @pytest.mark.parametrize("architecture", ["eagle1", "eagle3"])
 def test_ttt_unroll_equals_step_by_step_decoding(architecture):
     """Step k at element t must equal the drafter run through its KV cache as the decoder runs it:
@@ -72,7 +78,7 @@ def test_ttt_unroll_equals_step_by_step_decoding(architecture):
                 from_target=True,
             )
             hidden = out.hidden[:, -1:]
-            assert torch.allclose(hidden[0, 0], unrolled[0][row, t], atol=1e-5)
+            assert close_in_fp32(hidden[0, 0], unrolled[0][row, t])
             tree_start = cache.length
             for depth in range(1, steps):
                 if t + depth >= size:
@@ -87,7 +93,7 @@ def test_ttt_unroll_equals_step_by_step_decoding(architecture):
                     tree_mask=torch.ones(1, 1, depth, dtype=torch.bool),
                 )
                 hidden = out.hidden
-                assert torch.allclose(hidden[0, 0], unrolled[depth][row, t], atol=1e-5), (row, t, depth)
+                assert close_in_fp32(hidden[0, 0], unrolled[depth][row, t]), (row, t, depth)
                 checked += 1
     assert checked == (6 + 5) + (4 + 3)  # every (t, k >= 1) with t + k inside the sample (lengths 7 and 5)
 

@@ -1,0 +1,153 @@
+"""The decoding form of an EAGLE drafter: fused projections, 2-D matmuls, rotary on q and k at once.
+
+`FusedDraftStep(model)` computes what `EagleDraftModel.forward` followed by `draft_logits` computes
+through a KV cache, with about half the aten ops per call. Decoding runs the drafter once per tree
+level, and on a GPU every eager op is a kernel launch (on this CPU about 6 us each), so the drafter's
+op count, not its arithmetic, is what a speculative step pays for it:
+
+- q, k and v come from one matmul against their concatenated, pre-transposed weights; gate and up
+  from another; every projection multiplies a 2-D (rows * elements, width) view (one `mm`, where
+  `nn.Linear` on a 3-D input dispatches `t`, `view`, `mm` and `_unsafe_view`);
+- the rotary angles come from a cached inverse-frequency vector, and q and k, adjacent in the fused
+  output, are rotated together: x cos + roll(x, E/2) sin_signed equals Llama's
+  x cos + rotate_half(x) sin exactly (the sign moves into the table);
+- the RMSNorm weights are folded into the projection that follows each norm.
+
+The fused weights are copies, rebuilt whenever a parameter of the model changes (optimizer steps
+bump `Tensor._version`) or moves, so a drafter that is still training decodes with its current
+weights. They double the drafter's weight memory while the step object lives. The training path
+(`EagleDraftModel.unroll`) keeps the module form; tests check both against each other.
+
+Shapes: R rows, T new elements, S cache columns, h query heads, g key/value heads, E head width,
+H hidden size, I MLP width, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.eagle import EagleDraftModel
+from models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class _FusedWeights:
+    fc: Tensor  # (Df or 2H, H) pre-transposed
+    fc_bias: Tensor | None  # (H,)
+    qkv: Tensor  # (in, (h + 2g) E), EAGLE-3: rows scaled by the input and hidden norms' weights
+    out: Tensor  # (h E, H)
+    gate_up: Tensor  # (H, 2 I), rows scaled by the post-attention norm's weight
+    down: Tensor  # (I, H)
+    lm_head: Tensor | None  # (H, Vd), EAGLE-3, rows scaled by the final norm's weight
+    inv_freq: Tensor  # (E/2,) float32
+    eps: float  # the norms' epsilon
+
+
+class FusedDraftStep:
+    """One drafter pass through a KV cache with fused weights; see the module docstring."""
+
+    def __init__(self, model: EagleDraftModel) -> None:
+        self.model = model
+        self._parameters = list(model.parameters())  # walked once: named_modules costs ~0.2 ms a call
+        self._weights: _FusedWeights | None = None
+        self._key: tuple[tuple[int, int], ...] = ()
+
+    def weights(self) -> _FusedWeights:
+        """The fused copies of the model's current weights (rebuilt when any parameter changed)."""
+        key = tuple((p.data_ptr(), p._version) for p in self._parameters)
+        if self._weights is None or key != self._key:
+            self._weights = self._fuse()
+            self._key = key
+        return self._weights
+
+    @torch.no_grad()
+    def _fuse(self) -> _FusedWeights:
+        model, config = self.model, self.model.config
+        attention, mlp = model.layer.self_attn, model.layer.mlp
+        layer, device = model.layer, model.fc.weight.device
+        qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).t()
+        if config.architecture == "eagle3":  # (x * w) @ W = x @ (w[:, None] * W): the norms' scale moves into W
+            qkv = qkv * torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])[:, None]
+        exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+        return _FusedWeights(
+            fc=model.fc.weight.t().contiguous(),
+            fc_bias=None if model.fc.bias is None else model.fc.bias.detach().clone(),
+            qkv=qkv.contiguous(),
+            out=attention.o_proj.weight.t().contiguous(),
+            gate_up=(
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
+                * layer.post_attention_layernorm.weight[:, None]
+            ).contiguous(),  # fmt: skip
+            down=mlp.down_proj.weight.t().contiguous(),
+            lm_head=(model.lm_head.weight.t() * model.norm.weight[:, None]).contiguous()
+            if config.architecture == "eagle3"
+            else None,  # fmt: skip
+            inv_freq=1.0 / (config.rope_theta**exponents),
+            eps=config.rms_norm_eps,
+        )
+
+    def __call__(
+        self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor, *, from_target: bool, cache: KVCache
+    ) -> Tensor:
+        """`EagleDraftModel.forward(..., cache=cache)`: embeds (R, T, H), features (R, T, Df) or (R, T, H),
+        positions (R, T), mask (R, T, S) bool over the keys -> the drafter hidden (R, T, H). Writes this
+        pass's keys and values into `cache` after its filled columns (the caller advances it)."""
+        config, w = self.model.config, self.weights()
+        rows, length = positions.shape
+        heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
+        dtype = w.fc.dtype
+        embeds, features = embeds.to(dtype), features.to(dtype)
+        if config.architecture == "eagle1":
+            hidden = _project(torch.cat([embeds, features], dim=-1), w.fc, w.fc_bias)  # (R, T, H)
+            attention_input = hidden
+        else:
+            hidden = _project(features, w.fc, w.fc_bias) if from_target else features
+            attention_input = torch.cat([_unit_rms(embeds, w.eps), _unit_rms(hidden, w.eps)], dim=-1)
+        qkv = _project(attention_input, w.qkv).view(rows, length, heads + 2 * kv_heads, head_dim)
+        query_key = _rotate(qkv[:, :, : heads + kv_heads], positions, w.inv_freq)  # (R, T, h + g, E)
+        q = query_key[:, :, :heads].transpose(1, 2)  # (R, h, T, E)
+        k = query_key[:, :, heads:].transpose(1, 2)  # (R, g, T, E)
+        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        keys, values = cache.write(0, k.to(cache.keys.dtype), v.to(cache.values.dtype))  # (R, g, S, E)
+        attended = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=kv_heads != heads
+        )  # (R, h, T, E)
+        h = hidden + _project(attended.transpose(1, 2).reshape(rows, length, heads * head_dim), w.out)
+        gate, up = _project(_unit_rms(h, w.eps), w.gate_up).chunk(2, dim=-1)
+        return h + _project(F.silu(gate) * up, w.down)
+
+    def draft_logits(self, hidden: Tensor, image_head: Callable[[Tensor], Tensor]) -> Tensor:
+        """`EagleDraftModel.draft_logits`: (R, T, H) -> (R, T, Vd)."""
+        w = self.weights()
+        if w.lm_head is None:
+            return image_head(hidden)
+        return _project(_unit_rms(hidden, w.eps), w.lm_head)
+
+
+def _project(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight_t (in, out) [+ bias] as one 2-D matmul -> (..., out)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    return out.view(*x.shape[:-1], weight_t.shape[1])
+
+
+def _unit_rms(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm without its weight (folded into the next projection), computed in fp32 like `RMSNorm`."""
+    x_float = x.float()
+    return (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Llama half-split rotary embedding of x (R, T, heads, E) at positions (R, T), computed in fp32."""
+    angles = positions[..., None].float() * inv_freq  # (R, T, E/2)
+    cos, sin = angles.cos(), angles.sin()
+    cos = torch.cat([cos, cos], dim=-1)[:, :, None]  # (R, T, 1, E)
+    sin = torch.cat([-sin, sin], dim=-1)[:, :, None]  # rotate_half's sign moved into the table
+    x_float = x.float()
+    half = x.shape[-1] // 2
+    return (x_float * cos + x_float.roll(half, dims=-1) * sin).type_as(x)
