@@ -64,6 +64,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.autoregressive import generate_ar
+from inference.compiled import add_compile_argument, compile_decoding
 from inference.cost import run_count_ops
 from inference.files import write_atomic, write_json
 from inference.generate import (
@@ -78,7 +79,7 @@ from inference.generate import (
 from inference.report import Quality, format_markdown, format_table, plot_sweep, sweep_title
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.step_latency import add_latency_arguments, run_latency_command
-from inference.verify import Rule
+from inference.verify import Rule, Verdict, verify
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults
 from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
@@ -234,6 +235,7 @@ def _decode_one(
     config: DecoderConfig,
     seed: int,
     timer: StepTimer,
+    verifier: Callable[..., Verdict] = verify,
 ) -> tuple[Tensor, dict[str, float]]:
     """One image: tokens (G,) and its costs; the time of each decode phase goes to `timer`."""
     generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -243,7 +245,8 @@ def _decode_one(
         steps = result.target_forwards - 1
         return result.tokens[0], {"steps": steps, "plus_one": float(steps), "target": result.target_forwards,
                                   "drafter": 0, "seconds": result.seconds, "tv": 0.0}  # fmt: skip
-    spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=timer)
+    spec = generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=timer,
+                                verifier=verifier)  # fmt: skip
     steps, plus_one = spec.tally(0)
     return spec.tokens[0], {
         "steps": steps,
@@ -267,6 +270,7 @@ def run_methods(
     warmup: bool = True,
     second_ar_draw: bool = True,
     progress: bool = True,
+    verifier: Callable[..., Verdict] = verify,
 ) -> tuple[dict[str, Tally], list[Tensor]]:
     """Decode every prompt with every method, interleaved (rotating order), and tally the results.
 
@@ -280,12 +284,13 @@ def run_methods(
     timer = StepTimer(target)
     if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
         for m in methods:
-            _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1, timer)
+            _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1, timer, verifier)
         timer.take()
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, file=sys.stderr)):
         shift = i % len(methods)
         for m in [*methods[shift:], *methods[:shift]]:
-            tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i, timer)
+            tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i, timer,
+                                       verifier)  # fmt: skip
             tally = tallies[m.label]
             tally.tokens.append(tokens.cpu())
             tally.steps += int(cost["steps"])
@@ -368,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="toy", help="target name (default: toy)")
     add_decoder_arguments(parser)
+    add_compile_argument(parser)
     parser.add_argument("--rules", help=f"comma-separated methods: ar and rules, optionally labelled RULE@LABEL "
                         f"(default {DEFAULT_METHODS}; --latency: every rule, {','.join(RULE_CLASSES)})")  # fmt: skip
     parser.add_argument("--rule-arg", action="append", metavar="RULE.NAME=VALUE", help="set a rule field")
@@ -435,10 +441,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(str(error)) from None
     if args.count_ops:
         return run_count_ops(args, target, drafter, methods, rules, prompts, settings, config)
+    verifier = compile_decoding(target, drafter, args.compile) if args.compile else verify
     has_ar = any(m.rule == "ar" for m in methods)
     started = time.perf_counter()
     tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
-                                 warmup=not args.no_warmup, second_ar_draw=has_ar)  # fmt: skip
+                                 warmup=not args.no_warmup, second_ar_draw=has_ar, verifier=verifier)  # fmt: skip
     elapsed = time.perf_counter() - started
     quality = Quality(target) if target.geometry.image_size == (TOY_IMAGE_SIZE, TOY_IMAGE_SIZE) else None
     records = summarise(methods, rules, tallies, floor, prompts, quality)

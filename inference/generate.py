@@ -41,10 +41,11 @@ from tqdm import tqdm
 
 from inference.autoregressive import generate_ar
 from inference.calibrate import load_calibration
+from inference.compiled import add_compile_argument, compile_decoding
 from inference.files import write_atomic, write_json
 from inference.rules import RULES, GSDRule, LanternRule, Rule
 from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
-from inference.verify import build_latent_neighbours
+from inference.verify import build_latent_neighbours, verify
 from models.registry import load_target
 from models.target import ImageTarget
 
@@ -226,9 +227,9 @@ def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
     parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
     parser.add_argument(
-        "--tree", choices=TREE_KINDS, help="draft tree kind (default static: naive_extend_57, sampled drafts)"
+        "--tree", choices=TREE_KINDS, help="draft tree kind (default static: mc_sim_7b_63, sampled drafts)"
     )
-    parser.add_argument("--static-tree", help="static tree list name (default naive_extend_57)")
+    parser.add_argument("--static-tree", help="static tree list name (default mc_sim_7b_63; also naive_extend_57)")
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
     parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")
     parser.add_argument("--tree-total", type=int, help="dynamic tree: nodes kept, root included (60)")
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="images per batch (default 16 for AR, 1 with --drafter)")
     parser.add_argument("--seed", type=int, default=0)
     add_decoder_arguments(parser)
+    add_compile_argument(parser)
     parser.add_argument("--rule", choices=tuple(RULE_CLASSES), help="verification rule with --drafter (cascade)")
     parser.add_argument("--rule-arg", action="append", metavar="NAME=VALUE", help="set a rule field (repeatable)")
     return parser
@@ -288,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(str(error)) from None
         drafter = EagleDrafter.from_pretrained(args.drafter, target)
         speculative = {"drafter": str(args.drafter), **rule_settings(rule), "tree": dataclasses.asdict(config)}
+    verifier = compile_decoding(target, drafter if args.drafter else None, args.compile) if args.compile else verify
     args.out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     images, records = [], []
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     for start in tqdm(range(0, len(prompts), batch_size), desc="batches", disable=quiet):
         batch = prompts[start : start + batch_size]
         if args.drafter:
-            spec = generate_speculative(target, drafter, batch, rule, config, settings, generator)
+            spec = generate_speculative(target, drafter, batch, rule, config, settings, generator, verifier=verifier)
             tokens, stats = spec.tokens, [image_statistics(spec, j, len(batch)) for j in range(len(batch))]
         else:
             result = generate_ar(target, batch, settings, generator, progress=True)

@@ -40,7 +40,7 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,13 +48,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.compiled import compile_decoding
 from inference.drafter import Drafter
 from inference.latency import PROMPT, LatencyReport, format_latency, measure_target_latency, synthetic_tree
 from inference.latency import synchronized_clock as clock
 from inference.rules import Rule
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import Tree
-from inference.verify import TargetView, Verdict
+from inference.verify import TargetView, Verdict, verify
 from models.target import ImageTarget, SamplingDefaults
 
 PHASES = ("draft", "target", "view", "verify", "commit")
@@ -199,6 +200,7 @@ def time_decode_steps(
     steps: int,
     warmup: int,
     seed: int = 0,
+    verifier: Callable[..., Verdict] = verify,
 ) -> StepClock:
     """Run the decode loop on `prompts` under a `StepClock` until it has timed `steps` steps after `warmup`
     (starting a new decode, next seed, whenever an image completes first)."""
@@ -207,7 +209,8 @@ def time_decode_steps(
     while timer.timed < steps:
         generator = torch.Generator(device=target.device).manual_seed(seed + attempt)
         with contextlib.suppress(EnoughSteps):
-            generate_speculative(target, drafter, prompts, rule, config, settings, generator, hooks=timer)
+            generate_speculative(target, drafter, prompts, rule, config, settings, generator, hooks=timer,
+                                 verifier=verifier)  # fmt: skip
         attempt += 1
     return timer
 
@@ -226,13 +229,14 @@ def measure_step_latency(
     context_tokens: int | None = None,
     seed: int = 0,
     drafter_name: str = "",
+    verifier: Callable[..., Verdict] = verify,
 ) -> StepLatencyReport:
     """Time `target`'s AR step and tree forward, then `steps` decode steps with each of `rules` (by label).
 
     Args:
         target, drafter: the pair decoded; the drafter's feature source decides the aux streams.
         rules: label -> rule; each gets its own decode run.
-        config: the draft tree (default: the decoder's default, the static naive_extend_57).
+        config: the draft tree (default: the decoder's default, the static mc_sim_7b_63).
         settings: sampling settings (default: the target's); CFG rows follow its scale.
         tau: accepted drafts + 1 per target forward assumed by the projected speedup (None: `DEFAULT_TAU`).
         steps: timed repetitions of each forward and timed decode steps per rule.
@@ -241,6 +245,7 @@ def measure_step_latency(
         context_tokens: image tokens in the cache for the AR step and the tree forward (None: half the image).
         seed: of the random tokens and the decodes.
         drafter_name: how the report names the drafter.
+        verifier: `inference.verify.verify` or its compiled form (`inference.compiled.compile_decoding`).
     """
     config, settings = config or DecoderConfig(), settings or target.sampling
     if not rules:
@@ -255,7 +260,8 @@ def measure_step_latency(
                                   tree=decoder_tree_shape(config))  # fmt: skip
     timings = []
     for label, rule in rules.items():
-        timer = time_decode_steps(target, drafter, rule, config, [PROMPT] * prompts, settings, steps, warmup, seed)
+        timer = time_decode_steps(target, drafter, rule, config, [PROMPT] * prompts, settings, steps, warmup, seed,
+                                  verifier)  # fmt: skip
         median = {name: statistics.median(values) for name, values in timer.ms.items()}
         accepted = torch.stack(timer.accepted).float()  # (steps, B)
         timings.append(
@@ -406,6 +412,8 @@ def run_latency_command(
         built = time.perf_counter() - started
         summary: dict[str, Any]
         if args.target_only:
+            if args.compile:
+                compile_decoding(target, None, args.compile)
             report = measure_target_latency(
                 target, tree_nodes=args.tree_nodes or 60, context_tokens=args.context_tokens,
                 steps=args.latency_steps, prompts=args.latency_prompts, seed=args.seed, aux=not args.no_aux,
@@ -415,12 +423,14 @@ def run_latency_command(
         else:
             config = decoder_config(args)
             drafter, drafter_name = _build_drafter(args, target)
+            verifier = compile_decoding(target, drafter, args.compile) if args.compile else verify
             codebook = stand_in_codebook(target, args.seed)
             rules = {label: build_rule(name, target, options, args.drafter, codebook)
                      for label, name, options in rule_specs}  # fmt: skip
             step_report = measure_step_latency(target, drafter, rules, config, tau=args.tau, steps=args.latency_steps,
                                                prompts=args.latency_prompts, context_tokens=args.context_tokens,
-                                               seed=args.seed, drafter_name=drafter_name)  # fmt: skip
+                                               seed=args.seed, drafter_name=drafter_name,
+                                               verifier=verifier)  # fmt: skip
             print(format_step_latency(step_report))
             summary = step_report.to_dict()
     except (ValueError, FileNotFoundError) as error:

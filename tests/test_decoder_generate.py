@@ -24,7 +24,7 @@ from models.toy.target import ToyTarget
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DYNAMIC = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)
-STATIC = DecoderConfig(tree="static")  # naive_extend_57
+STATIC = DecoderConfig(tree="static", static_tree="naive_extend_57")
 SAMPLED_DYNAMIC = DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13)
 
 
