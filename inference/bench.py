@@ -271,8 +271,12 @@ def run_methods(
     second_ar_draw: bool = True,
     progress: bool = True,
     verifier: Callable[..., Verdict] = verify,
+    repeats: int = 1,
 ) -> tuple[dict[str, Tally], list[Tensor]]:
     """Decode every prompt with every method, interleaved (rotating order), and tally the results.
+
+    With `repeats` > 1 every (prompt, method) is decoded that many times with the same seed, so the same
+    tokens: an image's time is the median of its decodes, each phase's time their mean.
 
     Returns the tallies by label and, with `second_ar_draw`, a second AR draw per prompt (other seeds)
     for the FID noise floor.
@@ -289,8 +293,14 @@ def run_methods(
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, file=sys.stderr)):
         shift = i % len(methods)
         for m in [*methods[shift:], *methods[:shift]]:
-            tokens, cost = _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i, timer,
-                                       verifier)  # fmt: skip
+            decodes = [
+                _decode_one(m, rules[m.label], target, drafter, prompt, settings, config, seed + i, timer, verifier)
+                for _ in range(repeats)
+            ]
+            tokens, cost = decodes[0]
+            if any(not torch.equal(again, tokens) for again, _ in decodes[1:]):
+                raise RuntimeError(f"{m.label}: repeated decodes of prompt {i} (seed {seed + i}) drew other tokens")
+            cost["seconds"] = float(np.median([more["seconds"] for _, more in decodes]))
             tally = tallies[m.label]
             tally.tokens.append(tokens.cpu())
             tally.steps += int(cost["steps"])
@@ -299,8 +309,8 @@ def run_methods(
             tally.drafter_forwards.append(int(cost["drafter"]))
             tally.seconds.append(cost["seconds"])
             tally.tv_charged += cost["tv"]
-            for part, seconds in timer.take().items():
-                tally.timings[part] = tally.timings.get(part, 0.0) + seconds
+            for part, spent in timer.take().items():
+                tally.timings[part] = tally.timings.get(part, 0.0) + spent / repeats
         if second_ar_draw:
             generator = torch.Generator(device=target.device).manual_seed(1_000_003 + seed + i)
             floor.append(generate_ar(target, [prompt], settings, generator).tokens[0].cpu())
@@ -385,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, help="default: the target's")
     parser.add_argument("--top-k", type=int, help="default: the target's")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up decode per method")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="decode every (prompt, method) this many times (same seed, same tokens); an image's "
+                        "time is the median (default 1)")  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     parser.add_argument("--sweep", action="store_true", help="decode a grid of rule settings (see SWEEP_GRID)")
@@ -416,6 +429,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return [run_latency_command(args, argv, [(m.label, m.rule, m.options) for m in timed if m.rule != "ar"])]
     try:
         methods = parse_methods(args.rules or DEFAULT_METHODS, args.rule_arg)
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         if args.sweep:
             methods = sweep_methods(load_grid(args.sweep_grid) if args.sweep_grid else SWEEP_GRID, methods)
         config = decoder_config(args)
@@ -445,12 +460,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     has_ar = any(m.rule == "ar" for m in methods)
     started = time.perf_counter()
     tallies, floor = run_methods(methods, rules, prompts, target, drafter, settings, config, args.seed,
-                                 warmup=not args.no_warmup, second_ar_draw=has_ar, verifier=verifier)  # fmt: skip
+                                 warmup=not args.no_warmup, second_ar_draw=has_ar, verifier=verifier,
+                                 repeats=args.repeats)  # fmt: skip
     elapsed = time.perf_counter() - started
     quality = Quality(target) if target.geometry.image_size == (TOY_IMAGE_SIZE, TOY_IMAGE_SIZE) else None
     records = summarise(methods, rules, tallies, floor, prompts, quality)
     print(format_table(records))
-    print(f"{len(prompts)} prompts, {len(methods)} methods, {elapsed:.0f} s; {TAU_DEFINITION}.")
+    repeated = f", each decoded {args.repeats} times (time: the median)" if args.repeats > 1 else ""
+    print(f"{len(prompts)} prompts{repeated}, {len(methods)} methods, {elapsed:.0f} s; {TAU_DEFINITION}.")
     print(f"FID vs AR: {FID_NOTE}. Speedup: mean s/img of AR over the method's, same interleaved run.")
     summary: dict[str, Any] = {
         "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
@@ -462,6 +479,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "prompts": list(prompts),
         "prompt_source": str(args.prompts) if args.prompts else f"toy heldout, seed {args.prompt_seed}",
         "seed": args.seed,
+        "repeats": args.repeats,
         "device": str(target.device),
         "threads": torch.get_num_threads(),
         "seconds": elapsed,

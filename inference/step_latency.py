@@ -281,7 +281,7 @@ def measure_step_latency(
 
 
 def tree_name(config: DecoderConfig) -> str:
-    """ "static naive_extend_57 (57 nodes)", "dynamic 10/5/60 (60 nodes)": the tree as the report names it."""
+    """ "static mc_sim_7b_63 (26 nodes)", "dynamic 10/5/60 (60 nodes)": the tree as the report names it."""
     if config.tree == "static":
         shape = config.static_tree if isinstance(config.static_tree, str) else "custom"
     else:

@@ -124,3 +124,17 @@ def test_step_timer_times_every_phase_through_the_decoder_hooks(tiny_target):
 
 def test_pareto_front_keeps_the_undominated_points():
     assert pareto_front([(1, 0.5), (2, 0.4), (1.5, 0.3), (3, 0.1), (2, 0.2)]) == [(1, 0.5), (2, 0.4), (3, 0.1)]
+
+
+def test_repeats_time_each_image_by_its_median_decode_and_keep_the_tokens(drafter, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--rules", "ar,exact", "--num-prompts", "1"]
+    once = main([*argv, "--no-warmup", *TREE])
+    repeated = main([*argv, "--no-warmup", "--repeats", "3", "--out", str(out), *TREE])
+    assert json.loads(out.read_text())["repeats"] == 3
+    assert "each decoded 3 times (time: the median)" in capsys.readouterr().out
+    for a, b in zip(once, repeated, strict=True):  # same seeds: same tokens, so the same tau and forwards
+        assert a["tau"] == b["tau"] and a["target_forwards_per_image"] == b["target_forwards_per_image"]
+        assert b["seconds_per_image"] > 0
+    with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
+        main([*argv, "--repeats", "0"])

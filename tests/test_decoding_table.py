@@ -1,0 +1,60 @@
+"""`python -m inference.decoding_table`: one command, every tree kind, the README's table and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_tiny_toy_target
+from PIL import Image
+
+from inference.decoding_table import main
+from models.eagle import EagleDraftModel, drafter_preset
+from models.registry import TARGET_LOADERS
+
+
+@pytest.fixture
+def drafter(tmp_path, monkeypatch):
+    monkeypatch.setitem(TARGET_LOADERS, "tiny-bench", lambda **kwargs: build_tiny_toy_target(grid=6))
+    torch.manual_seed(0)
+    return EagleDraftModel(drafter_preset("tiny", "eagle3")).save_pretrained(tmp_path / "drafter")
+
+
+def test_one_command_writes_the_table_the_plot_and_the_records_for_every_tree(drafter, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([
+        {"series": "exact", "rule": "exact"},
+        {"series": "cascade", "rule": "cascade", "options": {"delta": 0.5}},
+    ]))  # fmt: skip
+    out = tmp_path / "table"
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--grid", str(grid), "--num-prompts", "2",
+            "--trees", "static,dynamic", "--prompt-seed", "7", "--tuned-on", "3", "--out", str(out)]  # fmt: skip
+    records = main(argv)
+    assert [(r["tree"], r["label"]) for r in records] == [
+        (tree, label) for tree in ("static", "dynamic") for label in ("ar", "exact", "cascade[delta=0.5]")
+    ]
+    table = (out / "table.md").read_text()
+    assert table.count("### Tree ") == 2 and "### Tree static mc_sim_7b_63 (26 nodes)" in table
+    assert "python -m inference.decoding_table" in table and "seed 7; settings tuned on seed 3" in table
+    assert table.count("| cascade[delta=0.5] | delta 0.5") == 2  # each rule's settings, once per tree
+    saved = json.loads((out / "table.json").read_text())
+    assert saved["prompt_seed"] == 7 and saved["tuned_on"] == 3 and len(saved["records"]) == 6
+    assert {r["series"] for r in saved["records"]} >= {"exact (static)", "cascade (dynamic)", "ar"}
+    assert Image.open(out / "tau_quality.png").size[0] > 400
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--prompt-seed", "11", "--tuned-on", "11"], "is the seed the grid was tuned on"),
+        (["--trees", "static,bushy"], "unknown tree kind.*bushy.*accepted: static, dynamic, dynamic-sampled"),
+    ],
+)
+def test_bad_requests_are_refused_before_decoding(drafter, tmp_path, extra, message):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([{"series": "exact", "rule": "exact"}]))
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--grid", str(grid), "--out", str(tmp_path / "t")]
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, *extra])
+    assert not (tmp_path / "t").exists()
