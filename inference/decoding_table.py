@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from inference.bench import build_rules, load_grid, parse_methods, run_methods, summarise, sweep_methods
+from inference.bench import build_rules, run_methods, summarise
 from inference.files import write_atomic, write_json
+from inference.methods import load_grid, parse_methods, sweep_methods
 from inference.report import Quality, format_markdown, plot_sweep
 from inference.speculative import TREE_KINDS, DecoderConfig
 from inference.step_latency import tree_name

@@ -11,7 +11,8 @@ from conftest import build_tiny_toy_target
 from PIL import Image
 
 import inference.speculative as speculative
-from inference.bench import StepTimer, main, parse_methods
+from inference.bench import StepTimer, main
+from inference.methods import parse_methods
 from inference.report import pareto_front
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
