@@ -257,8 +257,10 @@ def gumbel_topk(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[T
         q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
         Tokens with q = 0 come last and get probability 0.
     """
-    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): 3 ops, no logs. q = 0 keys 0, last.
+    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last; the
+    # clamp keeps a zero draw (if a device's sampler ever returns one) from making 0 / 0 = NaN rank first.
     race = torch.empty(q.shape, device=q.device, dtype=torch.float32).exponential_(generator=generator)
+    race.clamp_min_(torch.finfo(torch.float32).tiny)
     tokens = (q.float() / race).topk(k, dim=-1).indices  # (..., k)
     return tokens, conditional_draw_probs(q, tokens)
 
