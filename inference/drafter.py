@@ -79,7 +79,8 @@ class Drafter(Protocol):
             tokens: (R, T) image tokens; positions: (R, T) their target position ids.
             valid: (R, T) bool, False for padding (written but never attended to); None = all valid.
             tree_start, tree_mask: while drafting a tree, (R, T, cache.length - tree_start + T) bool
-                over the draft columns; None = causal over the new elements.
+                over the draft columns, each element's ancestors and itself (the tree decoder's masks
+                are ancestor-or-self); None = causal over the new elements.
         """
 
 

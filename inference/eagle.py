@@ -138,9 +138,10 @@ class EagleDrafter:
         return DraftOutput(logits.float(), hidden)
 
     def compile(self, **options: Any) -> None:
-        """Run the drafter step through `torch.compile(step, **options)` (`inference.compiled`)."""
-        self.step.weights()  # fuse before tracing: the rebuild check stays outside the graph
-        self._run_step = torch.compile(self.step.__call__, **options)
+        """Run the drafter step's tensor part through `torch.compile(step.run, **options)` (`inference.compiled`);
+        the check that rebuilds the fused weights stays eager, outside the graph."""
+        compiled = torch.compile(self.step.run, **options)
+        self._run_step = lambda *inputs, **keywords: compiled(self.step.weights(), *inputs, **keywords)
 
     def image_head(self, hidden: Tensor) -> Tensor:
         weight = self.target.image_head_weight()
