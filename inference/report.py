@@ -113,14 +113,17 @@ def plot_sweep(records: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     ar = next((r for r in records if r["rule"] == "ar"), None)
     panels = ((axes[0], "fidelity", "prompt fidelity (higher is better)"),
               (axes[1], "fid_vs_ar", "FID-style distance to AR (lower is better)"))  # fmt: skip
+    # one colour per rule series, one marker and line style per tree kind (records of several trees)
+    bases = list(dict.fromkeys(_series_base(r) for r in records if r["rule"] != "ar"))
     for ax, key, label in panels:
-        for index, (name, points) in enumerate(series.items()):
+        for name, points in series.items():
             pts = sorted((p for p in points if p[key] is not None), key=lambda p: (p["tau"], p[key]))
             if name == "ar" or not pts:
                 continue
-            colour = f"C{index % 10}"
+            colour = f"C{bases.index(_series_base(pts[0])) % 10}"
+            marker, line = TREE_MARKERS.get(pts[0].get("tree", "static"), ("o", "-"))
             xs, ys = [p["tau"] for p in pts], [p[key] for p in pts]
-            ax.plot(xs, ys, marker="o", color=colour, label=name)
+            ax.plot(xs, ys, marker=marker, linestyle=line, color=colour, label=name)
             if key == "fidelity":
                 ax.errorbar(xs, ys, yerr=[p["fidelity_se"] for p in pts], fmt="none", ecolor=colour, alpha=0.3)
             varying = _varying_settings(points)
@@ -139,6 +142,8 @@ def plot_sweep(records: Sequence[dict[str, Any]], path: Path, title: str) -> Non
                     color="grey", linestyle="--", linewidth=0.8, label="Pareto front")  # fmt: skip
         ax.set_xlabel("tau (accepted drafts + 1 per target forward)")
         ax.set_ylabel(label)
+        if key == "fid_vs_ar":
+            ax.set_yscale("log")  # distances span two orders of magnitude once a rule breaks the images
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
@@ -147,6 +152,17 @@ def plot_sweep(records: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
     write_atomic(path, buffer.getvalue())
+
+
+TREE_MARKERS = {"static": ("o", "-"), "dynamic": ("s", "--"), "dynamic-sampled": ("^", ":")}
+"""Marker and line style of each tree kind's series in `plot_sweep`."""
+
+
+def _series_base(record: dict[str, Any]) -> str:
+    """A record's series name without its " (tree kind)" suffix: the colour key of `plot_sweep`."""
+    suffix = f" ({record['tree']})" if "tree" in record else ""
+    name = str(record["series"])
+    return name[: -len(suffix)] if suffix and name.endswith(suffix) else name
 
 
 def _varying_settings(points: Sequence[dict[str, Any]]) -> list[str]:
