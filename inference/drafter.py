@@ -204,7 +204,7 @@ def draft_static_tree(
     if spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
     token_levels = [root_token[:, None]]  # per level (B, L)
-    q_cond = torch.ones(batch, spec.num_nodes, device=device)
+    q_levels = [torch.ones_like(root_q[:, :1])]  # per level (B, L): conditional draw probabilities
     q_full = root_q.new_zeros(batch, spec.num_nodes, vocab)
     q_full[:, 0] = root_q
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
@@ -214,7 +214,7 @@ def draft_static_tree(
             draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
         else:
             draws, probs = gumbel_topk(level_q, level.width, generator)  # (B, W_prev, width)
-            q_cond[:, level.first : level.first + len(level.nodes)] = probs.flatten(1)[:, level.draw]
+            q_levels.append(probs.flatten(1)[:, level.draw])
         level_tokens = draws.flatten(1)[:, level.draw]  # (B, L)
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
@@ -223,17 +223,18 @@ def draft_static_tree(
             level_hidden[:, level.hidden_slot], level_tokens[:, level.expanded_slot], depth, tree_start, level.mask
         )
         q_full[:, level.expanded] = level_q
-    parents, depths = spec.structure(device)
+    structure = spec.structure(device)
+    q_cond = torch.ones_like(root_q[:, :1]).expand(batch, spec.num_nodes) if greedy else torch.cat(q_levels, dim=1)
     return Tree(
         torch.cat(token_levels, dim=1),
-        parents.expand(batch, -1),
-        depths.expand(batch, -1),
+        structure.parents.expand(batch, -1),
+        structure.depths.expand(batch, -1),
         q_cond,
         q_full,
         sampled=not greedy,
         max_depth=spec.max_depth,
         max_children=spec.max_children,
-    )
+    ).with_structure(structure)
 
 
 def draft_dynamic_tree(

@@ -41,7 +41,8 @@ class SlotInputs:
     p: Tensor  # (B, N, V) current residual target at every node (normalised)
     x: Tensor  # (B, N) token of each node's c-th child (any value where the slot is empty)
     p_x: Tensor  # (B, N) p(x)
-    q_x: Tensor  # (B, N) probability with which x was proposed (1 for deterministic drafts)
+    q_x: Tensor  # (B, N) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
+    # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
     q_draw: Tensor | None  # (B, N, V) normalised distribution x was drawn from (sampled trees), else None
 
 
@@ -64,8 +65,8 @@ def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
 
 
 def exact_acceptance(inputs: SlotInputs) -> Tensor:
-    """min(1, p(x) / q(x)), 0 where q(x) = 0."""
-    return torch.where(inputs.q_x > 0, inputs.p_x / inputs.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0)
+    """min(1, p(x) / q(x)) (q(x) > 0 on every slot `verify` tests)."""
+    return (inputs.p_x / inputs.q_x).clamp_max(1.0)
 
 
 def exact_residual(p: Tensor, x: Tensor, q_draw: Tensor | None) -> Tensor:
@@ -148,7 +149,7 @@ class LanternRule:
     def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         _, _, extra = self._pooled(state, slot)
         mass = slot.p_x + extra
-        return torch.where(slot.q_x > 0, mass / slot.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+        return (mass / slot.q_x).clamp_max(1.0), None
 
     def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         near, allowed, _ = self._pooled(state, slot)
@@ -203,7 +204,7 @@ class GSDBlocksRule:
         cluster = self._cluster(slot)
         mass = (slot.p * cluster).sum(-1)
         proposal = torch.ones_like(mass) if slot.q_draw is None else (slot.q_draw * cluster).sum(-1)
-        return torch.where(slot.q_x > 0, mass / proposal.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+        return (mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None
 
     def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return exact_residual(slot.p.masked_fill(self._cluster(slot), 0.0), slot.x, slot.q_draw)
@@ -258,7 +259,7 @@ class GSDRule:
 
     def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         mass, proposal = self._cluster_mass(state, slot)
-        return torch.where(slot.q_x > 0, mass / proposal.clamp_min(1e-30), 0.0).clamp_max(1.0), None
+        return (mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None
 
     def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return exact_residual(slot.p, slot.x, slot.q_draw)
@@ -397,9 +398,10 @@ class CascadeRule:
         a0 = exact_acceptance(slot)
         c = slot.slot
         extra = (slot.p.gather(2, state.candidates[:, :, c]) * state.pooled[:, :, c]).sum(-1)  # (B, N)
-        extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)  # beyond the tree: all other mass
-        relaxed = torch.where(slot.q_x > 0, (slot.p_x + extra) / slot.q_x.clamp_min(1e-30), 0.0).clamp_max(1.0)
-        return a0, torch.where(state.eligible[:, :, c], relaxed - a0, 0.0).clamp_min(0.0)
+        if self.pool_beyond_tree:  # beyond the tree: all other mass
+            extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)
+        relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
+        return a0, ((relaxed - a0) * state.eligible[:, :, c]).clamp_min(0.0)
 
     def rejection(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
         return exact_residual(slot.p, slot.x, slot.q_draw)
@@ -461,7 +463,7 @@ class CascadeDevRule:
         total = state.convergence[:, :, c] + pooled
         second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
         gate = slot.p_x >= nucleus_threshold(slot.p, self.nucleus)
-        return torch.where(gate & (total > 0) & (slot.q_x > 0), torch.maximum(plain, second), plain), None
+        return torch.where(gate & (total > 0), torch.maximum(plain, second), plain), None
 
     def rejection(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
         return exact_residual(slot.p, slot.x, slot.q_draw)

@@ -19,11 +19,12 @@ from models.target import ImageTarget, SamplingDefaults
 
 
 def combine_cfg(logits: Tensor, scale: float) -> Tensor:
-    """Classifier-free guidance over [cond; uncond] halves: (2B, ..., V) -> (B, ..., V) = u + s (c - u)."""
+    """Classifier-free guidance over [cond; uncond] halves: (2B, ..., V) -> (B, ..., V) = u + s (c - u),
+    as one `lerp` (one kernel instead of three; s = 1 gives c exactly)."""
     if logits.shape[0] % 2:
         raise ValueError(f"CFG needs an even number of rows ([cond; uncond] halves), got {logits.shape[0]}")
     cond, uncond = logits.chunk(2, dim=0)
-    return uncond + scale * (cond - uncond)
+    return torch.lerp(uncond, cond, scale)
 
 
 def guided_logits(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tensor:

@@ -149,7 +149,7 @@ class DecodeHooks:
 
 
 NO_HOOKS = DecodeHooks()
-_PACK = 1 << 32  # two small non-negative ints in one int64, read from the device at once
+_FIELD = 1 << 20  # three small non-negative ints (< 2^20, width < 2^23) in one int64, read from the device at once
 
 
 @dataclass
@@ -320,7 +320,9 @@ def generate_speculative(
         torch.zeros_like(first)[:, None],
         torch.ones(batch, 1, dtype=torch.bool, device=first.device),
     )
-    accepted_log, drafter_forwards, done = [], 1, False
+    if num_tokens + width_max >= _FIELD:
+        raise ValueError(f"an image of {num_tokens} tokens does not fit the decoder's packed host read (< {_FIELD})")
+    accepted_log, drafter_forwards, done, most = [], 1, False, 1  # most: the largest count, known on the host
     charged = torch.zeros((), device=first.device)  # summed on the device: no sync per step
     while not done:
         with hooks.phase("draft"):
@@ -345,14 +347,18 @@ def generate_speculative(
             predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
             view = build_target_view(out, rule, settings, cfg, greedy, target, predicted)
         with hooks.phase("verify"):
-            max_accept = (num_tokens - count - 1).clamp_min(0)
+            # drafts past the image end are never accepted; the limit only binds in a row's last steps
+            near_end = most >= num_tokens - config.max_depth
+            max_accept = (num_tokens - count - 1).clamp_min(0) if near_end else None
             verdict = verifier(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
         hooks.on_verify(tree, view, verdict)
         with hooks.phase("commit"):
             num_accepted = torch.where(live, verdict.num_accepted, 0)
             # Host sync, once per step: the commit width and whether every image is complete, packed in one read.
-            packed = (num_accepted.max() + 1) * _PACK + (count + num_accepted + 1).min()
-            width, least = divmod(int(packed), _PACK)
+            new_count = count + num_accepted + 1  # finished rows: count + 1, past the end
+            packed = ((num_accepted.max() + 1) * _FIELD + new_count.min()) * _FIELD + new_count.max()
+            width, least_most = divmod(int(packed), _FIELD * _FIELD)
+            least, most = divmod(least_most, _FIELD)
             pending = _commit(
                 tree,
                 verdict.last_node,
@@ -370,7 +376,7 @@ def generate_speculative(
             valid_slots = count[:, None] + torch.arange(width, device=count.device)
             slots = valid_slots.where(pending.valid, tokens.shape[1] - 1)
             tokens.scatter_(1, slots, pending.tokens)
-            count = torch.where(live, count + num_accepted + 1, count)
+            count = torch.where(live, new_count, count)
             accepted_log.append(torch.where(live, num_accepted, -1))
             charged += verdict.tv_charged.mean()
             done = least >= num_tokens

@@ -79,6 +79,26 @@ class Tree:
         """(B, N, P) int64: the root-to-node path of every node (index d = ancestor at depth d), -1 padded."""
         return node_paths(self.parents, self.depths, self.max_depth)
 
+    def with_structure(self, structure: TreeStructure) -> Tree:
+        """Set `attention_mask`, `children` and `paths` from tables built once for a fixed shape (static
+        trees), instead of from `parents` at every step; returns self."""
+        batch = self.tokens.shape[0]
+        self.__dict__["attention_mask"] = structure.attention_mask.expand(batch, -1, -1)
+        self.__dict__["children"] = structure.children.expand(batch, -1, -1)
+        self.__dict__["paths"] = structure.paths.expand(batch, -1, -1)
+        return self
+
+
+@dataclass(frozen=True)
+class TreeStructure:
+    """The index tables of one tree shape (`StaticTreeSpec.structure`), each with a leading batch dim of 1."""
+
+    parents: Tensor  # (1, N) int64
+    depths: Tensor  # (1, N) int64
+    attention_mask: Tensor  # (1, N, N) bool, ancestor-or-self
+    children: Tensor  # (1, N, K) int64, -1 padded
+    paths: Tensor  # (1, N, P) int64, -1 padded
+
 
 @dataclass(frozen=True)
 class LevelPlan:
@@ -184,9 +204,16 @@ class StaticTreeSpec:
         return plans
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
-    def structure(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(parents (1, N), depths (1, N)) int64 on `device`, built once."""
-        return torch.tensor([self.parents], device=device), torch.tensor([self.depths], device=device)
+    def structure(self, device: torch.device) -> TreeStructure:
+        """Parents, depths, attention mask, children and paths of the shape on `device`, built once."""
+        parents, depths = torch.tensor([self.parents], device=device), torch.tensor([self.depths], device=device)
+        return TreeStructure(
+            parents,
+            depths,
+            ancestor_mask(parents, self.max_depth),
+            children_table(parents, self.max_children),
+            node_paths(parents, depths, self.max_depth),
+        )
 
     def expanded(self, depth: int) -> list[int]:
         """Nodes at `depth` that have children: the ones the drafter must run on."""

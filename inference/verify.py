@@ -122,7 +122,7 @@ def sample_inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
 def normalise_or_uniform(p: Tensor) -> Tensor:
     """Renormalise (..., V); an all-zero residual falls back to uniform over the (image) vocabulary (§8)."""
     total = p.sum(-1, keepdim=True)
-    return torch.where(total > 0, p / total.clamp_min(1e-30), 1.0 / p.shape[-1])
+    return torch.where(total > 0, p / total, 1.0 / p.shape[-1])  # 0 / 0 rows are replaced, not used
 
 
 def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> TreeInputs:
@@ -152,23 +152,24 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
     p = inputs.probs  # (B, N, V)
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
     q_left = tree.q_full.float() if tree.sampled else None  # (B, N, V) proposal mass not drawn yet
+    if tree.sampled:  # (B, N, K) each child's draw probability; 1 where untested, so rules divide unguarded
+        q_kids = tree.q_cond.gather(1, children.clamp_min(0).flatten(1)).view_as(children).masked_fill(~usable, 1.0)
+    else:
+        q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, N, K) one-hot proposals
+    width = children.shape[-1]
     a0s, wants = [], []
-    for c in range(children.shape[-1]):
+    for c in range(width):
         x = inputs.kid_tokens[..., c]  # (B, N)
         use = usable[..., c]
-        q_draw = None
-        if q_left is not None:
-            q_draw = normalise_or_uniform(q_left)
-            q_x = tree.q_cond.gather(1, children[..., c].clamp_min(0))
-        else:
-            q_x = torch.ones_like(x, dtype=p.dtype)
-        slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_x, q_draw)
+        q_draw = None if q_left is None else normalise_or_uniform(q_left)
+        slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_kids[..., c], q_draw)
         a0, want = rule.acceptance(inputs, state, slot)
-        a0s.append(torch.where(use, a0, 0.0))
-        wants.append(torch.where(use, want, 0.0) if want is not None else torch.zeros_like(a0))
+        a0s.append(a0 * use)
+        wants.append(want * use if want is not None else torch.zeros_like(a0))
         p = torch.where(use[..., None], normalise_or_uniform(rule.rejection(inputs, state, slot)), p)
-        if q_left is not None:  # the next child is drawn without this one
-            q_left = q_left.scatter(2, x[..., None], q_left.gather(2, x[..., None]) * ~use[..., None])
+        if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
+            # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
+            q_left = q_left.scatter(2, x[..., None], 0.0)
     return torch.stack(a0s, -1), torch.stack(wants, -1), p
 
 

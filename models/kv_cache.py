@@ -26,6 +26,10 @@ class KVCache:
     column_valid: Tensor  # (R, S) bool
     length: int = 0  # number of filled columns, the same for every row
 
+    def __post_init__(self) -> None:
+        # each layer's (R, H, S, E) views, taken once: `write` then slices them without a select per call
+        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)
+
     @classmethod
     def allocate(
         cls,
@@ -65,9 +69,10 @@ class KVCache:
         end = self.length + keys.shape[2]
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} tokens do not fit its capacity of {self.capacity}")
-        self.keys[layer, :, :, self.length : end] = keys
-        self.values[layer, :, :, self.length : end] = values
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        layer_keys, layer_values = self._layer_keys[layer], self._layer_values[layer]
+        layer_keys[:, :, self.length : end] = keys
+        layer_values[:, :, self.length : end] = values
+        return layer_keys[:, :, :end], layer_values[:, :, :end]
 
     def advance(self, new_valid: Tensor | int) -> None:
         """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool, or the

@@ -114,5 +114,5 @@ def test_fused_step_dispatches_fewer_ops_than_the_modules():
                 hidden = step(embeds, features, positions, mask, from_target=True, cache=cache)
                 step.draft_logits(hidden, target.image_head)
         counts[name] = counter.ops["draft"]
-    # measured: 120 (modules) against 83 (fused)
-    assert counts["fused"] <= 0.75 * counts["modules"], counts
+    # measured: 116 (modules) against 64 (fused)
+    assert counts["fused"] <= 0.6 * counts["modules"], counts
