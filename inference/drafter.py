@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from inference.sampling import processed_distribution
+from inference.sampling import proposal_distribution
 from inference.tree import (
     StaticTreeSpec,
     Tree,
@@ -126,14 +126,15 @@ def draft_distribution(
     cfg: bool,
     target: ImageTarget | None = None,
     token_index: Tensor | None = None,
-) -> Tensor:
-    """The target's processing applied to drafter logits: (R, T, V) -> q (B, T, V).
+) -> tuple[Tensor, Tensor | None]:
+    """The target's processing applied to drafter logits: (R, T, V) -> q (B, T, V), support (B, T, k) or None.
 
     CFG, then (given `target` and `token_index` (B, T), the image index each element predicts) the
-    target's `constrain_logits`, then temperature, top-k, top-p. Greedy settings (temperature 0) keep
-    the logits unscaled, so q still ranks the candidates.
+    target's `constrain_logits`, then temperature, top-k (exactly k tokens, whose ids are the support,
+    so sampled drafts race over k tokens), top-p. Greedy settings (temperature 0) keep the logits
+    unscaled, so q still ranks the candidates.
     """
-    return processed_distribution(logits, settings, cfg, target, token_index)[1]
+    return proposal_distribution(logits, settings, cfg, target, token_index)
 
 
 @dataclass
@@ -159,9 +160,10 @@ class DraftContext:
 
     def run_level(
         self, parent_hidden: Tensor, tokens: Tensor, depth: int, tree_start: int, tree_mask: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
-        tree_mask (B, W, J + W), or (W, J + W) shared by every row -> q (B, W, V), hidden (R, W, D)."""
+        tree_mask (B, W, J + W), or (W, J + W) shared by every row -> q (B, W, V), hidden (R, W, D),
+        q's top-k support (B, W, k) or None (`draft_distribution`)."""
         rows, width = parent_hidden.shape[:2]
         shared = tree_mask.dim() == 2
         out = self.drafter.forward(
@@ -175,8 +177,8 @@ class DraftContext:
         )
         self.forwards += 1
         predicted = self.level_index[:, depth + 1 : depth + 2].expand(tokens.shape)
-        q = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
-        return q, out.hidden
+        q, support = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
+        return q, out.hidden, support
 
 
 def draft_static_tree(
@@ -187,6 +189,7 @@ def draft_static_tree(
     root_hidden: Tensor,
     greedy: bool,
     generator: torch.Generator | None,
+    root_support: Tensor | None = None,
 ) -> Tree:
     """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
 
@@ -197,7 +200,8 @@ def draft_static_tree(
 
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
-        root_hidden: (R, D) the drafter's hidden at the root.
+        root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
+        root_q's mass (`draft_distribution`), or None.
     """
     batch, vocab = root_q.shape
     device = root_q.device
@@ -208,18 +212,19 @@ def draft_static_tree(
     q_full = root_q.new_zeros(batch, spec.num_nodes, vocab)
     q_full[:, 0] = root_q
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
+    level_support = None if root_support is None else root_support[:, None]
     tree_start = ctx.cache.length
     for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
             draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
         else:
-            draws, probs = gumbel_topk(level_q, level.width, generator)  # (B, W_prev, width)
+            draws, probs = gumbel_topk(level_q, level.width, generator, level_support)  # (B, W_prev, width)
             q_levels.append(probs.flatten(1)[:, level.draw])
         level_tokens = draws.flatten(1)[:, level.draw]  # (B, L)
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
             break
-        level_q, level_hidden = ctx.run_level(
+        level_q, level_hidden, level_support = ctx.run_level(
             level_hidden[:, level.hidden_slot], level_tokens[:, level.expanded_slot], depth, tree_start, level.mask
         )
         q_full[:, level.expanded] = level_q
@@ -273,7 +278,7 @@ def draft_dynamic_tree(
     for level in range(1, depth):
         rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
         mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
-        q, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
+        q, prev_hidden, _ = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
         anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
         q_store.append(q)
         cand_store.scatter_(1, frontier, 1 + (level - 1) * k + torch.arange(k, device=device).expand(batch, -1))
@@ -327,6 +332,7 @@ def draft_sampled_dynamic_tree(
     total_tokens: int,
     greedy: bool,
     generator: torch.Generator | None,
+    root_support: Tensor | None = None,
 ) -> Tree:
     """Draft a sampled dynamic tree: EAGLE-2's expansion by cumulative log q, children drawn from q.
 
@@ -338,7 +344,8 @@ def draft_sampled_dynamic_tree(
 
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
-        root_hidden: (R, D) the drafter's hidden at the root.
+        root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
+        root_q's mass (`draft_distribution`), or None.
     """
     batch, vocab = root_q.shape
     device = root_q.device
@@ -351,6 +358,7 @@ def draft_sampled_dynamic_tree(
     tokens, parents, q_conds, q_levels = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)], [], []
     q_cond_root = torch.ones(batch, 1, device=device)
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # (B, M, V), (R, M, D) of the current level
+    level_support = None if root_support is None else root_support[:, None]  # (B, M, k) or None
     level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
     anc = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # (B, M, J) draft-column ancestry
     offset, tree_start = 0, ctx.cache.length
@@ -361,7 +369,7 @@ def draft_sampled_dynamic_tree(
         if greedy:
             draws, cond = ranked, torch.ones_like(sorted_q)
         else:
-            draws, cond = gumbel_topk(level_q, k, generator)  # (B, M, K) in draw order
+            draws, cond = gumbel_topk(level_q, k, generator, level_support)  # (B, M, K) in draw order
         chosen = torch.arange(k, device=device) < count[..., None]  # (B, M, K) a prefix per node
         picked = (~chosen).flatten(1).float().argsort(dim=-1, stable=True)[:, :level_width]
         parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
@@ -382,7 +390,9 @@ def draft_sampled_dynamic_tree(
             dim=2,
         )
         rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])
-        level_q, level_hidden = ctx.run_level(level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask)
+        level_q, level_hidden, level_support = ctx.run_level(
+            level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask
+        )
         q_levels.append(level_q)
         anc = mask
     all_tokens = torch.cat(tokens, 1)

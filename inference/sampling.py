@@ -34,18 +34,29 @@ def guided_logits(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tens
 
 def filter_logits(logits: Tensor, settings: SamplingDefaults) -> Tensor:
     """Temperature, then top-k, then top-p; removed tokens get -inf. Greedy (T = 0) keeps logits unscaled."""
+    return _filter(logits, settings, exact_top_k=False)[0]
+
+
+def _filter(logits: Tensor, settings: SamplingDefaults, exact_top_k: bool) -> tuple[Tensor, Tensor | None]:
+    """`filter_logits`, and with `exact_top_k` the top-k keeps exactly k tokens (a tie at the k-th value is
+    broken by `topk`) and returns their indices (..., k), a support that holds every token left; else None."""
     if settings.temperature > 0 and settings.temperature != 1.0:  # x / 1 is x: no op to pay for
         logits = logits / settings.temperature
+    support = None
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
-        kth = logits.topk(settings.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        if exact_top_k:
+            values, support = logits.topk(settings.top_k, dim=-1)
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, support, values)
+        else:
+            kth = logits.topk(settings.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
     if settings.top_p is not None and settings.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= settings.top_p  # keep the token that crosses top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    return logits, support
 
 
 def sampling_probabilities(logits: Tensor, settings: SamplingDefaults) -> Tensor:
@@ -70,13 +81,36 @@ def processed_distribution(
     top-p and softmax. Greedy settings (temperature 0) keep the logits unscaled, so the distribution still
     ranks the tokens, or with `one_hot_greedy` put all mass on the argmax (what AR sampling draws from).
     """
-    guided = guided_logits(logits, settings, cfg)
-    if target is not None and token_index is not None:
-        guided = target.constrain_logits(guided, token_index)
-    guided = guided.float()
+    guided = _guided(logits, settings, cfg, target, token_index)
     if one_hot_greedy:
         return guided, sampling_probabilities(guided, settings)
     return guided, filter_logits(guided, settings).softmax(-1)
+
+
+def proposal_distribution(
+    logits: Tensor,
+    settings: SamplingDefaults,
+    cfg: bool,
+    target: ImageTarget | None = None,
+    token_index: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """`processed_distribution`'s chain for drafts: probs (B, ..., V) and, under top-k, the support (B, ..., k).
+
+    The top-k keeps exactly k tokens (`processed_distribution` keeps ties at the k-th logit too), so the
+    drafter's proposal is zero outside `support` and a draw needs randomness for k tokens, not V.
+    """
+    filtered, support = _filter(_guided(logits, settings, cfg, target, token_index), settings, exact_top_k=True)
+    return filtered.softmax(-1), support
+
+
+def _guided(
+    logits: Tensor, settings: SamplingDefaults, cfg: bool, target: ImageTarget | None, token_index: Tensor | None
+) -> Tensor:
+    """CFG, the target's layout rule when given, fp32: the first links of the chain."""
+    guided = guided_logits(logits, settings, cfg)
+    if target is not None and token_index is not None:
+        guided = target.constrain_logits(guided, token_index)
+    return guided.float()
 
 
 def draw_tokens(probabilities: Tensor, settings: SamplingDefaults, generator: torch.Generator | None) -> Tensor:

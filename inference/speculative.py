@@ -224,15 +224,27 @@ def _draft(
     last = to_rows(pending.valid.sum(1) - 1, ctx.cfg)  # (R,) the bonus token's element
     rows = torch.arange(last.shape[0], device=last.device)
     predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
-    root_q = draft_distribution(out.logits[rows, last][:, None], ctx.settings, ctx.cfg, ctx.target, predicted)
+    root_q, root_support = draft_distribution(
+        out.logits[rows, last][:, None], ctx.settings, ctx.cfg, ctx.target, predicted
+    )
     root_q = root_q[:, 0]  # (B, V)
+    root_support = None if root_support is None else root_support[:, 0]  # (B, k)
     root_hidden = out.hidden[rows, last]  # (R, D)
     tree_start = ctx.cache.length
     if config.tree == "static":
-        tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator)
+        tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator, root_support)
     elif config.tree == "dynamic-sampled":
         tree = draft_sampled_dynamic_tree(
-            ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens, greedy, generator
+            ctx,
+            root_token,
+            root_q,
+            root_hidden,
+            config.top_k,
+            config.depth,
+            config.total_tokens,
+            greedy,
+            generator,
+            root_support,
         )
     else:
         tree = draft_dynamic_tree(ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens)

@@ -274,21 +274,29 @@ def tree_positions(depths: Tensor, root_index: Tensor) -> Tensor:
     return root_index[:, None] + depths
 
 
-def gumbel_topk(q: Tensor, k: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def gumbel_topk(
+    q: Tensor, k: int, generator: torch.Generator | None, support: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
 
     Args:
         q: (..., V) probabilities.
+        support: (..., S) token ids that hold every token with q > 0 (`inference.sampling.proposal_distribution`
+            under top-k): the race then runs over S tokens instead of V, with the same distribution.
     Returns:
         tokens (..., k) int64 and their conditional draw probabilities
         q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
         Tokens with q = 0 come last and get probability 0.
     """
+    if support is not None and support.shape[-1] < k:
+        support = None  # fewer candidates than draws: race over the whole vocabulary
+    weights = (q if support is None else q.gather(-1, support)).float()  # (..., V) or (..., S)
     # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last; the
     # clamp keeps a zero draw (if a device's sampler ever returns one) from making 0 / 0 = NaN rank first.
-    race = torch.empty(q.shape, device=q.device, dtype=torch.float32).exponential_(generator=generator)
+    race = torch.empty(weights.shape, device=q.device, dtype=torch.float32).exponential_(generator=generator)
     race.clamp_min_(torch.finfo(torch.float32).tiny)
-    tokens = (q.float() / race).topk(k, dim=-1).indices  # (..., k)
+    ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
+    tokens = ranked if support is None else support.gather(-1, ranked)
     return tokens, conditional_draw_probs(q, tokens)
 
 

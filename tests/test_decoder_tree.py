@@ -120,3 +120,22 @@ def test_gumbel_topk_draws_distinct_tokens_with_conditional_probabilities():
     assert torch.allclose(probs[:, 1], second)
     tokens, probs = gumbel_topk(q[:1], 4, None)
     assert tokens[0, 3] == 3 and probs[0, 3] == 0  # zero-probability tokens come last, never accepted
+
+
+def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_distribution():
+    # q lives on 4 of 8 tokens; the support lists them (and one zero-mass token) in a shuffled order
+    q = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.2, 0.0, 0.1, 0.0])
+    support = torch.tensor([6, 0, 3, 1, 4])
+    draws = 40000
+    tokens, probs = gumbel_topk(q.expand(draws, -1), 2, torch.Generator().manual_seed(1), support.expand(draws, -1))
+    assert set(tokens.flatten().tolist()) <= {1, 3, 4, 6}  # never a zero-mass token while mass is left
+    # exact probability of drawing the ordered pair (a, b): q(a) q(b) / (1 - q(a))
+    pairs = torch.zeros(8, 8)
+    pairs.index_put_((tokens[:, 0], tokens[:, 1]), torch.ones(draws), accumulate=True)
+    exact = q[:, None] * q[None, :] / (1 - q[:, None])
+    exact.fill_diagonal_(0.0)
+    assert 0.5 * (pairs / draws - exact).abs().sum() < 0.015  # TV of the pair law; sampling noise ~0.005
+    assert torch.allclose(probs[:, 1], q[tokens[:, 1]] / (1 - q[tokens[:, 0]]))
+    # fewer candidates than draws: the race falls back to the whole vocabulary
+    tokens, _ = gumbel_topk(q[None], 6, torch.Generator().manual_seed(2), support[None, :3])
+    assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference.autoregressive import generate_ar
-from inference.sampling import combine_cfg, filter_logits, sample_tokens
+from inference.sampling import combine_cfg, filter_logits, processed_distribution, proposal_distribution, sample_tokens
 from models.target import SamplingDefaults
 
 PROMPTS = [
@@ -70,6 +70,19 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     draws = sample_tokens(logits.expand(2000, 4), SamplingDefaults(cfg_scale=1.0, top_k=2), generator)
     assert set(draws.tolist()) == {0, 1}
     assert abs((draws == 0).float().mean().item() - 0.5 / 0.8) < 0.04
+
+
+def test_the_drafts_proposal_keeps_exactly_top_k_tokens_and_names_them():
+    settings = SamplingDefaults(cfg_scale=1.0, top_k=2, temperature=0.5)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.2, 0.2, 0.2]]))  # row 2: a tie at the k-th
+    probs, support = proposal_distribution(logits, settings, cfg=False)
+    assert support is not None and support.shape == (2, 2)
+    assert ((probs > 0).sum(-1) == 2).all()  # exactly k, also when tokens tie with the k-th
+    assert torch.equal(probs.gather(-1, support).sum(-1), torch.ones(2))  # the support holds all the mass
+    _, target_probs = processed_distribution(logits, settings, cfg=False)
+    torch.testing.assert_close(probs[0], target_probs[0])  # without ties: the target's own processing
+    assert (target_probs[1] > 0).sum() == 4  # the target's filter keeps the ties
+    assert proposal_distribution(logits, SamplingDefaults(cfg_scale=1.0), cfg=False)[1] is None  # no top-k
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator(tiny_target):
