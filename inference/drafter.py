@@ -120,23 +120,6 @@ def to_rows(x: Tensor, cfg: bool) -> Tensor:
     return torch.cat([x, x]) if cfg else x
 
 
-def draft_distribution(
-    logits: Tensor,
-    settings: SamplingDefaults,
-    cfg: bool,
-    target: ImageTarget | None = None,
-    token_index: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """The target's processing applied to drafter logits: (R, T, V) -> q (B, T, V), support (B, T, k) or None.
-
-    CFG, then (given `target` and `token_index` (B, T), the image index each element predicts) the
-    target's `constrain_logits`, then temperature, top-k (exactly k tokens, whose ids are the support,
-    so sampled drafts race over k tokens), top-p. Greedy settings (temperature 0) keep the logits
-    unscaled, so q still ranks the candidates.
-    """
-    return proposal_distribution(logits, settings, cfg, target, token_index)
-
-
 @dataclass
 class DraftContext:
     """Everything tree drafting needs for one verification step."""
@@ -163,7 +146,7 @@ class DraftContext:
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
         tree_mask (B, W, J + W), or (W, J + W) shared by every row -> q (B, W, V), hidden (R, W, D),
-        q's top-k support (B, W, k) or None (`draft_distribution`)."""
+        q's top-k support (B, W, k) or None (`inference.sampling.proposal_distribution`)."""
         rows, width = parent_hidden.shape[:2]
         shared = tree_mask.dim() == 2
         out = self.drafter.forward(
@@ -177,7 +160,7 @@ class DraftContext:
         )
         self.forwards += 1
         predicted = self.level_index[:, depth + 1 : depth + 2].expand(tokens.shape)
-        q, support = draft_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
+        q, support = proposal_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
         return q, out.hidden, support
 
 
@@ -201,7 +184,7 @@ def draft_static_tree(
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
         root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
-        root_q's mass (`draft_distribution`), or None.
+        root_q's mass (`proposal_distribution`), or None.
     """
     batch, vocab = root_q.shape
     device = root_q.device
@@ -345,7 +328,7 @@ def draft_sampled_dynamic_tree(
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
         root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
-        root_q's mass (`draft_distribution`), or None.
+        root_q's mass (`proposal_distribution`), or None.
     """
     batch, vocab = root_q.shape
     device = root_q.device

@@ -95,10 +95,13 @@ def proposal_distribution(
     target: ImageTarget | None = None,
     token_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """`processed_distribution`'s chain for drafts: probs (B, ..., V) and, under top-k, the support (B, ..., k).
+    """The target's processing applied to drafter logits: (R, ..., V) -> q (B, ..., V), and under top-k the
+    support (B, ..., k), the ids of the tokens q keeps.
 
-    The top-k keeps exactly k tokens (`processed_distribution` keeps ties at the k-th logit too), so the
-    drafter's proposal is zero outside `support` and a draw needs randomness for k tokens, not V.
+    `processed_distribution`'s chain, except that the top-k keeps exactly k tokens (the target's filter
+    keeps ties at the k-th logit too), so q is zero outside `support` and a sampled draft needs
+    randomness for k tokens, not V. Greedy settings (temperature 0) keep the logits unscaled, so q
+    still ranks the candidates.
     """
     filtered, support = _filter(_guided(logits, settings, cfg, target, token_index), settings, exact_top_k=True)
     return filtered.softmax(-1), support

@@ -38,14 +38,13 @@ from torch import Tensor
 from inference.drafter import (
     DraftContext,
     Drafter,
-    draft_distribution,
     draft_dynamic_tree,
     draft_sampled_dynamic_tree,
     draft_static_tree,
     to_rows,
 )
 from inference.rules import CascadeDevRule, CascadeRule, Rule
-from inference.sampling import draw_tokens, filter_logits, processed_distribution
+from inference.sampling import draw_tokens, filter_logits, processed_distribution, proposal_distribution
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -224,7 +223,7 @@ def _draft(
     last = to_rows(pending.valid.sum(1) - 1, ctx.cfg)  # (R,) the bonus token's element
     rows = torch.arange(last.shape[0], device=last.device)
     predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
-    root_q, root_support = draft_distribution(
+    root_q, root_support = proposal_distribution(
         out.logits[rows, last][:, None], ctx.settings, ctx.cfg, ctx.target, predicted
     )
     root_q = root_q[:, 0]  # (B, V)
