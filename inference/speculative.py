@@ -310,6 +310,8 @@ def generate_speculative(
     cfg, greedy = settings.cfg_scale != 1.0, settings.temperature == 0
     started = time.perf_counter()
     num_tokens, batch, width_max = target.geometry.num_tokens, len(prompts), config.max_depth + 1
+    if num_tokens + width_max >= _FIELD:
+        raise ValueError(f"an image of {num_tokens} tokens does not fit the decoder's packed host read (< {_FIELD})")
     conditioning = target.condition(prompts, cfg=cfg)
     capacity = target.prefix_length + num_tokens + config.num_nodes + num_tokens // 4 + width_max
     target_cache = target.allocate_cache(conditioning.rows, capacity)
@@ -331,8 +333,6 @@ def generate_speculative(
         torch.zeros_like(first)[:, None],
         torch.ones(batch, 1, dtype=torch.bool, device=first.device),
     )
-    if num_tokens + width_max >= _FIELD:
-        raise ValueError(f"an image of {num_tokens} tokens does not fit the decoder's packed host read (< {_FIELD})")
     accepted_log, drafter_forwards, done, most = [], 1, False, 1  # most: the largest count, known on the host
     charged = torch.zeros((), device=first.device)  # summed on the device: no sync per step
     while not done:
