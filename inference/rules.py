@@ -290,11 +290,16 @@ def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log()), 0.0).sum(-1)
 
 
-def nucleus_threshold(p: Tensor, mass: float) -> Tensor:
-    """The smallest probability inside the top set of p (..., V) holding `mass`: x is in it iff p(x) >= this."""
-    sorted_p = p.sort(-1, descending=True).values
-    before = sorted_p.cumsum(-1) - sorted_p
-    return torch.where(before < mass, sorted_p, float("inf")).amin(-1)
+def in_nucleus(p: Tensor, tokens: Tensor, mass: float) -> Tensor:
+    """Whether each token lies in the top set of p holding `mass`: p (..., V), tokens (..., K) -> (..., K) bool.
+
+    x is in it iff the tokens strictly more likely than x hold less than `mass` (the top set sorted by p,
+    x's first tie included). One comparison per (token, vocabulary entry) instead of a sort of the
+    vocabulary: on a 4096-token vocabulary and 4 children per node, a third of a sort's time on this CPU.
+    """
+    p_tokens = p.gather(-1, tokens)  # (..., K)
+    above = torch.where(p[..., None, :] > p_tokens[..., None], p[..., None, :], 0.0).sum(-1)  # (..., K)
+    return above < mass
 
 
 @dataclass
@@ -390,8 +395,7 @@ class CascadeRule:
         pooled &= ~repeat  # each token pooled once
         eligible = usable.clone()
         if self.conf_gate is not None:  # relax only tokens inside the target's nucleus at the parent
-            threshold = nucleus_threshold(inputs.probs, self.conf_gate)  # (B, N)
-            eligible &= inputs.probs.gather(2, inputs.kid_tokens) >= threshold[..., None]
+            eligible &= in_nucleus(inputs.probs, inputs.kid_tokens, self.conf_gate)
         return CascadeSets(candidates, pooled, converged & self.pool_beyond_tree, eligible)
 
     def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
@@ -462,7 +466,7 @@ class CascadeDevRule:
         pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, N)
         total = state.convergence[:, :, c] + pooled
         second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
-        gate = slot.p_x >= nucleus_threshold(slot.p, self.nucleus)
+        gate = in_nucleus(slot.p, slot.x[..., None], self.nucleus)[..., 0]
         return torch.where(gate & (total > 0), torch.maximum(plain, second), plain), None
 
     def rejection(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:

@@ -189,8 +189,12 @@ def build_target_view(
     guided, probs = processed_distribution(out.logits, settings, cfg, target, token_index)  # (B, N, V) each
     features = None
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
-        representation = {"hidden": out.hidden[: guided.shape[0]], "probs": probs}
-        features = representation.get(rule.representation, filter_logits(guided, settings).nan_to_num(neginf=0.0))
+        if rule.representation == "hidden":
+            features = out.hidden[: guided.shape[0]]
+        elif rule.representation == "probs":
+            features = probs
+        else:  # "logits": the filtered guided logits, removed tokens at 0
+            features = filter_logits(guided, settings).nan_to_num(neginf=0.0)
     elif isinstance(rule, CascadeDevRule):  # the development rule reads the last-layer states
         features = out.hidden[: guided.shape[0]]
     return TargetView(probs, guided.argmax(-1) if greedy else None, features)
