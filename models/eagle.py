@@ -248,11 +248,17 @@ class EagleDraftModel(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def to_image_vocab(self, draft_logits: Tensor) -> Tensor:
-        """Scatter draft-vocabulary logits into the image vocabulary (-inf outside it): (..., Vd) -> (..., V)."""
+        """Scatter draft-vocabulary logits into the image vocabulary: (..., Vd) -> (..., V).
+
+        Tokens outside it get the most negative finite logit, not -inf: the decoder combines [cond; uncond]
+        rows by CFG, u + s (c - u), which is NaN for -inf - -inf but stays at that value here, and softmax
+        gives them probability 0 either way.
+        """
         if self.config.draft_vocab == self.config.vocab_size:
             return draft_logits
         index = torch.arange(self.config.draft_vocab, device=draft_logits.device) + self.d2t  # (Vd,) target ids
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        lowest = torch.finfo(draft_logits.dtype).min
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), lowest)
         return full.index_copy(-1, index, draft_logits)
 
     def unroll(

@@ -348,3 +348,31 @@ def test_oracle_drafts_obey_the_targets_constraint_and_are_fully_accepted(config
     result = generate_speculative(target, OracleDrafter(target), PROMPTS[:1], ExactRule(), config, greedy(target))
     assert obeys_rule(result.tokens, 64)
     assert result.accepted[:, 0].tolist() == accepted
+
+
+def test_a_reduced_vocabulary_drafter_proposes_only_its_tokens_under_guidance(tiny_target):
+    """CFG combines the drafter's [cond; uncond] logits as u + s (c - u): tokens outside a reduced draft
+    vocabulary must stay impossible there, not turn into NaN (-inf - -inf) and poison q."""
+    from test_drafter_models import tiny_drafter
+
+    from inference.eagle import EagleDrafter
+    from inference.sampling import proposal_distribution
+
+    model = tiny_drafter("eagle3", draft_vocab_size=20)
+    vocab = tiny_target.image_vocab_size
+    image_ids = torch.arange(20) * 2  # draft id i is image token 2i
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[image_ids] = True
+    model.set_vocab_map(image_ids - torch.arange(20), allowed)
+    drafter = EagleDrafter(model, tiny_target)
+    assert tiny_target.sampling.cfg_scale != 1.0
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 3, model.config.feature_width, generator=generator)  # [cond; uncond] rows
+    tokens = image_ids[torch.randint(0, 20, (1, 3), generator=generator)].expand(2, -1)
+    positions = tiny_target.image_positions(torch.arange(3)).expand(2, -1)
+    out = drafter.forward(features, tokens, positions, drafter.allocate_cache(2, 8), from_target=True)
+    q, support = proposal_distribution(out.logits, tiny_target.sampling, cfg=True)  # (1, 3, V)
+    assert torch.isfinite(q).all()
+    assert torch.allclose(q.sum(-1), torch.ones(1, 3))
+    assert q[..., ~allowed].abs().max() == 0
+    assert allowed[support].all()
