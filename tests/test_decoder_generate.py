@@ -12,10 +12,13 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 from stub_drafters import FixedLogitsDrafter, OracleDrafter
+from test_drafter_models import tiny_drafter
 
 from inference.autoregressive import generate_ar
 from inference.drafter import build_draft_attention_mask
+from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.sampling import proposal_distribution
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
 from inference.verify import build_latent_neighbours
@@ -353,11 +356,6 @@ def test_oracle_drafts_obey_the_targets_constraint_and_are_fully_accepted(config
 def test_a_reduced_vocabulary_drafter_proposes_only_its_tokens_under_guidance(tiny_target):
     """CFG combines the drafter's [cond; uncond] logits as u + s (c - u): tokens outside a reduced draft
     vocabulary must stay impossible there, not turn into NaN (-inf - -inf) and poison q."""
-    from test_drafter_models import tiny_drafter
-
-    from inference.eagle import EagleDrafter
-    from inference.sampling import proposal_distribution
-
     model = tiny_drafter("eagle3", draft_vocab_size=20)
     vocab = tiny_target.image_vocab_size
     image_ids = torch.arange(20) * 2  # draft id i is image token 2i
