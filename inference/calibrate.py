@@ -25,7 +25,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.files import write_json
-from inference.rules import CascadeRule, centred_unit
+from inference.rules import CascadeRule
+from inference.similarity import centred_unit
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import Tree
 from inference.verify import TargetView, Verdict

@@ -45,8 +45,10 @@ from models.target import Conditioning, ImageTarget, SamplingDefaults, TargetOut
 
 @dataclass
 class DraftOutput:
-    logits: Tensor  # (R, T, V) raw drafter logits, before CFG
+    logits: Tensor  # (R, T', V) raw drafter logits before CFG, or (B, T', V) already guided when `guided`;
+    # T' = T, or 1 with `logits_at`
     hidden: Tensor  # (R, T, D) the drafter's own features, fed to the next tree level
+    guided: bool = False  # the drafter applied the CFG it was given (`cfg_scale`) before its head
 
 
 class Drafter(Protocol):
@@ -71,6 +73,8 @@ class Drafter(Protocol):
         valid: Tensor | None = None,
         tree_start: int | None = None,
         tree_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        cfg_scale: float | None = None,
     ) -> DraftOutput:
         """Run T (feature, token) pairs, appending them to `cache`.
 
@@ -81,6 +85,11 @@ class Drafter(Protocol):
             tree_start, tree_mask: while drafting a tree, (R, T, cache.length - tree_start + T) bool
                 over the draft columns, each element's ancestors and itself (the tree decoder's masks
                 are ancestor-or-self); None = causal over the new elements.
+            logits_at: (R,) the one element per row whose logits are wanted (the last one read before a
+                tree); None = every element.
+            cfg_scale: the CFG scale of [cond; uncond] rows. A drafter whose head is linear may combine
+                the rows before it (half the rows through the head) and return `guided` logits (B, T', V);
+                otherwise it ignores it and the decoder applies CFG.
         """
 
 
@@ -157,11 +166,21 @@ class DraftContext:
             from_target=False,
             tree_start=tree_start,
             tree_mask=tree_mask.expand(rows, -1, -1) if shared else to_rows(tree_mask, self.cfg),
+            cfg_scale=self.cfg_scale,
         )
         self.forwards += 1
         predicted = self.level_index[:, depth + 1 : depth + 2].expand(tokens.shape)
-        q, support = proposal_distribution(out.logits, self.settings, self.cfg, self.target, predicted)
+        q, support = self.proposal(out, predicted)
         return q, out.hidden, support
+
+    @property
+    def cfg_scale(self) -> float | None:
+        """The guidance a drafter may apply before its head (`Drafter.forward`), None without CFG."""
+        return self.settings.cfg_scale if self.cfg else None
+
+    def proposal(self, out: DraftOutput, predicted: Tensor) -> tuple[Tensor, Tensor | None]:
+        """q (B, T, V) and its top-k support from a drafter output, guided by the drafter or here."""
+        return proposal_distribution(out.logits, self.settings, self.cfg and not out.guided, self.target, predicted)
 
 
 def draft_static_tree(

@@ -124,6 +124,8 @@ class EagleDrafter:
         valid: Tensor | None = None,
         tree_start: int | None = None,
         tree_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        cfg_scale: float | None = None,
     ) -> DraftOutput:
         if valid is None and tree_mask is not None and tree_start is not None:  # a tree level: all nodes valid
             mask = tree_attention_mask(cache, tree_start, tree_mask)  # (R, T, S)
@@ -134,8 +136,9 @@ class EagleDrafter:
         hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
                            from_target=from_target, cache=cache)  # fmt: skip
         cache.advance(tokens.shape[1] if valid is None else valid)
-        logits = self.model.to_image_vocab(self.step.draft_logits(hidden, self.image_head))  # (R, T, V)
-        return DraftOutput(logits.float(), hidden)
+        wanted = hidden if logits_at is None else hidden[torch.arange(hidden.shape[0]), logits_at][:, None]
+        logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale)  # (R or B, T', Vd)
+        return DraftOutput(self.model.to_image_vocab(logits).float(), hidden, guided)
 
     def compile(self, **options: Any) -> None:
         """Run the drafter step's tensor part through `torch.compile(step.run, **options)` (`inference.compiled`);

@@ -18,7 +18,7 @@ for sampled trees, static or dynamic (tested by enumeration in tests/test_decode
 Peer rules (LANTERN, LANTERN++, the two GSD rules) follow their authors' code (cascade.md Round 2,
 item 9), residual modifications included, and carry no such guarantee.
 
-Shapes: B rows, N tree nodes (every node is a potential parent), K child slots, V vocabulary,
+Shapes: B rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary,
 D feature width, L neighbour-table width, C candidate tokens per slot (2K + 1), W GSD window.
 """
 
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.similarity import centred_unit, in_nucleus, kl_divergence
 from inference.tree import Tree
 
 
@@ -38,24 +39,39 @@ class SlotInputs:
     """What a rule sees when the c-th child of every node is tested."""
 
     slot: int
-    p: Tensor  # (B, N, V) current residual target at every node (normalised)
-    x: Tensor  # (B, N) token of each node's c-th child (any value where the slot is empty)
-    p_x: Tensor  # (B, N) p(x)
-    q_x: Tensor  # (B, N) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
+    p: Tensor  # (B, I, V) current residual target at every parent node (normalised)
+    x: Tensor  # (B, I) token of each node's c-th child (any value where the slot is empty)
+    p_x: Tensor  # (B, I) p(x)
+    q_x: Tensor  # (B, I) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
     # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
-    q_draw: Tensor | None  # (B, N, V) normalised distribution x was drawn from (sampled trees), else None
+    q_draw: Tensor | None  # (B, I, V) normalised distribution x was drawn from (sampled trees), else None
+
+
+def at_nodes(x: Tensor, nodes: Tensor | None) -> Tensor:
+    """Per-node values (B, N, ...) at `nodes` (I,) -> (B, I, ...); all of them when `nodes` is None."""
+    return x if nodes is None else x[:, nodes]
 
 
 @dataclass
 class TreeInputs:
-    """The verification problem, prepared once per step by `inference.verify`."""
+    """The verification problem, prepared once per step by `inference.verify`.
+
+    Its tables have one row per parent node: the nodes the target view covers (`nodes`, the tree's
+    inner nodes), or every node when `nodes` is None. Children, paths and features are node ids and
+    per-node values over all N nodes.
+    """
 
     tree: Tree
-    probs: Tensor  # (B, N, V) unmodified target distribution at every node
-    features: Tensor | None  # (B, N, D) similarity features (CASCADE), cond branch
-    children: Tensor  # (B, N, K) children in test order, -1 padded
-    kid_tokens: Tensor  # (B, N, K)
-    usable: Tensor  # (B, N, K) bool: the slot is tested when reached
+    probs: Tensor  # (B, I, V) unmodified target distribution at the parent nodes
+    features: Tensor | None  # (B, N, D) similarity features (CASCADE), cond branch, at every node
+    children: Tensor  # (B, I, K) children in test order, -1 padded
+    kid_tokens: Tensor  # (B, I, K)
+    usable: Tensor  # (B, I, K) bool: the slot is tested when reached
+    nodes: Tensor | None = None  # (I,) the parent nodes; None = every node (I = N)
+
+    def at_parents(self, x: Tensor) -> Tensor:
+        """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""
+        return at_nodes(x, self.nodes)
 
 
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
@@ -139,9 +155,9 @@ class LanternRule:
         return self.neighbours.to(inputs.probs.device)
 
     def _pooled(self, table: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor, Tensor]:
-        """Neighbours (B, N, L), which of the first k are pooled (B, N, k), and the pooled mass (B, N)."""
-        near = table[slot.x]  # (B, N, L)
-        cumulative = slot.p.gather(2, near[..., : self.k]).cumsum(-1)  # (B, N, k)
+        """Neighbours (B, I, L), which of the first k are pooled (B, I, k), and the pooled mass (B, I)."""
+        near = table[slot.x]  # (B, I, L)
+        cumulative = slot.p.gather(2, near[..., : self.k]).cumsum(-1)  # (B, I, k)
         bound = self.delta if self.lam is None else (self.lam - 1) * slot.p_x[..., None]
         allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases
         return near, allowed, (cumulative * allowed).amax(-1)
@@ -158,7 +174,7 @@ class LanternRule:
             zap_keep = allowed.any(-1, keepdim=True).expand_as(zap)
         else:
             zap, zap_keep = near[..., : self.k], allowed
-        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep)  # (B, N, V)
+        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep)  # (B, I, V)
         if slot.q_draw is None:
             return slot.p.masked_fill(zero, 0.0).scatter(-1, slot.x[..., None], 0.0)
         if self.static_zeroes == "q":
@@ -198,7 +214,7 @@ class GSDBlocksRule:
     def _cluster(self, slot: SlotInputs) -> Tensor:
         _, ranks = _descending_ranks(slot.p)
         block = ranks // self.group
-        return block == block.gather(2, slot.x[..., None])  # (B, N, V)
+        return block == block.gather(2, slot.x[..., None])  # (B, I, V)
 
     def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         cluster = self._cluster(slot)
@@ -242,13 +258,13 @@ class GSDRule:
     def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor]:
         order, ranks = _descending_ranks(slot.p)
         vocab = slot.p.shape[-1]
-        rank_x = ranks.gather(2, slot.x[..., None])  # (B, N, 1)
+        rank_x = ranks.gather(2, slot.x[..., None])  # (B, I, 1)
         offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=slot.p.device)
-        at = rank_x + offsets  # (B, N, W)
+        at = rank_x + offsets  # (B, I, W)
         inside = (at >= 0) & (at < vocab)
-        members = order.gather(2, at.clamp(0, vocab - 1))  # (B, N, W)
+        members = order.gather(2, at.clamp(0, vocab - 1))  # (B, I, W)
         p_members = slot.p.gather(2, members)
-        distance = (embeddings[members] - embeddings[slot.x][..., None, :]).pow(2).sum(-1)  # (B, N, W)
+        distance = (embeddings[members] - embeddings[slot.x][..., None, :]).pow(2).sum(-1)  # (B, I, W)
         keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
         keep &= distance < self.distance_threshold
         keep |= inside & (members == slot.x[..., None])
@@ -268,48 +284,14 @@ class GSDRule:
         return self._cluster_mass(state, slot)[0]
 
 
-def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Mean-centred cosine similarity in fp32 (cascade.md §4.1) of (..., D) against (..., D) -> (...)."""
-    a = a.float() - a.float().mean(-1, keepdim=True)
-    b = b.float() - b.float().mean(-1, keepdim=True)
-    return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-8)
-
-
-def centred_unit(features: Tensor) -> Tensor:
-    """(..., D) features -> fp32, mean-centred over D and scaled to unit length (norm floored at 1e-8).
-
-    Dot products of the results are the mean-centred cosines CASCADE thresholds (cascade.md §4.1).
-    """
-    feats = features.float()
-    feats = feats - feats.mean(-1, keepdim=True)
-    return feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-8)
-
-
-def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
-    """KL(p || q) over the last dim, zero where p = 0."""
-    return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log()), 0.0).sum(-1)
-
-
-def in_nucleus(p: Tensor, tokens: Tensor, mass: float) -> Tensor:
-    """Whether each token lies in the top set of p holding `mass`: p (..., V), tokens (..., K) -> (..., K) bool.
-
-    x is in it iff the tokens strictly more likely than x hold less than `mass` (the top set sorted by p,
-    x's first tie included). One comparison per (token, vocabulary entry) instead of a sort of the
-    vocabulary: 0.26 against 0.68 ms for 26 nodes of 4096 tokens and 4 children each on this CPU.
-    """
-    p_tokens = p.gather(-1, tokens)  # (..., K)
-    above = torch.where(p[..., None, :] > p_tokens[..., None], p[..., None, :], 0.0).sum(-1)  # (..., K)
-    return above < mass
-
-
 @dataclass
 class CascadeSets:
     """CASCADE's pooling candidates of every child slot, built once per verification step."""
 
-    candidates: Tensor  # (B, N, K, C) tokens a slot may pool: its siblings, its own children, its parent's token
-    pooled: Tensor  # (B, N, K, C) bool: in I(x) or C(x), distinct, not x
-    converged: Tensor  # (B, N, K) bool: the slot's region converged (for pool_beyond_tree)
-    eligible: Tensor  # (B, N, K) bool: the slot may be relaxed at all (confidence gate)
+    candidates: Tensor  # (B, I, K, C) tokens a slot may pool: its siblings, its own children, its parent's token
+    pooled: Tensor  # (B, I, K, C) bool: in I(x) or C(x), distinct, not x
+    converged: Tensor  # (B, I, K) bool: the slot's region converged (for pool_beyond_tree)
+    eligible: Tensor  # (B, I, K) bool: the slot may be relaxed at all (confidence gate)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -362,31 +344,34 @@ class CascadeRule:
         if inputs.features is None:
             raise ValueError("the cascade rule needs TargetView.features (see speculative.build_target_view)")
         tree, children, usable = inputs.tree, inputs.children, inputs.usable
-        batch, num_nodes, width = children.shape
+        batch, num_parents, width = children.shape
         rows = torch.arange(batch, device=children.device)[:, None]
         feats = centred_unit(inputs.features)  # (B, N, D): cosines become dot products
-        kid = children.clamp_min(0)  # (B, N, K)
-        kid_feats = feats[rows[..., None], kid]  # (B, N, K, D)
-        to_parent = (kid_feats * feats[:, :, None]).sum(-1)  # (B, N, K): sim(F[x], F[u])
+        kid = children.clamp_min(0)  # (B, I, K)
+        kid_feats = feats[rows[..., None], kid]  # (B, I, K, D)
+        to_parent = (kid_feats * inputs.at_parents(feats)[:, :, None]).sum(-1)  # (B, I, K): sim(F[x], F[u])
         if self.conv_mode == "sibling":
             converged = to_parent >= self.tau_seq
         else:
             grand = tree.parents.clamp_min(0)  # (B, N)
             up = (feats * feats[rows, grand]).sum(-1)  # (B, N): sim(F[u], F[parent(u)])
-            converged = ((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
+            converged = inputs.at_parents((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
         if self.kl_gate is not None:
+            if inputs.nodes is not None:
+                raise ValueError("cascade's kl_gate compares a child's target distribution with its parent's: "
+                                 "the TargetView must cover every node (needs_every_node)")  # fmt: skip
             kid_p = inputs.probs[rows[..., None], kid]  # (B, N, K, V)
             converged = converged & (kl_divergence(kid_p, inputs.probs[:, :, None]) < self.kl_gate)
         converged = converged & usable & self.use_convergence
-        siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, N, K, K)
-        sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, N, K, K)
+        siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, K)
+        sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, I, K, K)
         interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :] & self.use_interchangeability
-        grand_kids = children.gather(1, kid.flatten(1)[..., None].expand(-1, -1, width).clamp_min(0))
-        grand_kids = grand_kids.view(batch, num_nodes, width, width)  # (B, N, K, K) children of each child
+        grand_kids = tree.children.gather(1, kid.flatten(1)[..., None].expand(-1, -1, width))
+        grand_kids = grand_kids.view(batch, num_parents, width, width)  # (B, I, K, K) children of each child
         grand_kids = torch.where((children >= 0)[..., None], grand_kids, -1)
         grand_tokens = tree.tokens.gather(1, grand_kids.clamp_min(0).flatten(1)).view_as(grand_kids)
-        own = tree.tokens[:, :, None, None].expand(-1, -1, width, 1)  # (B, N, K, 1) the parent's token
-        candidates = torch.cat([siblings, grand_tokens, own], dim=-1)  # (B, N, K, C)
+        own = inputs.at_parents(tree.tokens)[:, :, None, None].expand(-1, -1, width, 1)  # (B, I, K, 1) parent's token
+        candidates = torch.cat([siblings, grand_tokens, own], dim=-1)  # (B, I, K, C)
         adjacent = torch.cat([(grand_kids >= 0), torch.ones_like(own, dtype=torch.bool)], dim=-1)
         pooled = torch.cat([interchangeable, adjacent & converged[..., None]], dim=-1)
         pooled &= candidates != inputs.kid_tokens[..., None]  # never x itself
@@ -401,7 +386,7 @@ class CascadeRule:
     def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         a0 = exact_acceptance(slot)
         c = slot.slot
-        extra = (slot.p.gather(2, state.candidates[:, :, c]) * state.pooled[:, :, c]).sum(-1)  # (B, N)
+        extra = (slot.p.gather(2, state.candidates[:, :, c]) * state.pooled[:, :, c]).sum(-1)  # (B, I)
         if self.pool_beyond_tree:  # beyond the tree: all other mass
             extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)
         relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
@@ -419,8 +404,8 @@ class CascadeRule:
 class CascadeDevState:
     """Per-slot inputs of the development rule, built once per verification step."""
 
-    convergence: Tensor  # (B, N, K) s where s > sim_threshold and the child is at depth >= 2, else 0
-    pairs: Tensor  # (B, N, K, K) bool: siblings whose drafter distributions have cosine > pair_threshold
+    convergence: Tensor  # (B, I, K) s where s > sim_threshold and the child is at depth >= 2, else 0
+    pairs: Tensor  # (B, I, K, K) bool: siblings whose drafter distributions have cosine > pair_threshold
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -449,12 +434,12 @@ class CascadeDevRule:
         kid = children.clamp_min(0)
         states = inputs.features.float().softmax(-1)  # (B, N, D) softmaxed last-layer states
         states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        s = (states[rows, kid] * states[:, :, None]).sum(-1)  # (B, N, K) node vs parent
+        s = (states[rows, kid] * inputs.at_parents(states)[:, :, None]).sum(-1)  # (B, I, K) node vs parent
         deep = tree.depths.gather(1, kid.flatten(1)).view_as(kid) >= 2
         convergence = torch.where((s > self.sim_threshold) & deep & inputs.usable, s, 0.0)
-        q = tree.q_full.float()[rows, kid]  # (B, N, K, V) drafter distribution at each child
+        q = tree.q_full.float()[rows, kid]  # (B, I, K, V) drafter distribution at each child
         q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        cosine = q @ q.transpose(-1, -2)  # (B, N, K, K)
+        cosine = q @ q.transpose(-1, -2)  # (B, I, K, K)
         width = children.shape[-1]
         other = ~torch.eye(width, dtype=torch.bool, device=children.device)
         pairs = (cosine > self.pair_threshold) & other & inputs.usable[:, :, None, :] & inputs.usable[..., None]
@@ -463,7 +448,7 @@ class CascadeDevRule:
     def acceptance(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         c = slot.slot
         plain = exact_acceptance(slot)
-        pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, N)
+        pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, I)
         total = state.convergence[:, :, c] + pooled
         second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
         gate = in_nucleus(slot.p, slot.x[..., None], self.nucleus)[..., 0]
@@ -477,6 +462,13 @@ class CascadeDevRule:
 
 
 Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule | CascadeDevRule
+
+
+def needs_every_node(rule: Rule) -> bool:
+    """Whether the rule reads the target at nodes without children: CASCADE's kl_gate (a child's distribution
+    against its parent's) and its "probs"/"logits" similarity features. The others need it only at parents."""
+    return isinstance(rule, CascadeRule) and (rule.kl_gate is not None or rule.representation != "hidden")
+
 
 RULES: dict[str, type] = {
     "exact": ExactRule,

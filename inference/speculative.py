@@ -43,8 +43,8 @@ from inference.drafter import (
     draft_static_tree,
     to_rows,
 )
-from inference.rules import CascadeDevRule, CascadeRule, Rule
-from inference.sampling import draw_tokens, filter_logits, processed_distribution, proposal_distribution
+from inference.rules import CascadeDevRule, CascadeRule, Rule, at_nodes, needs_every_node
+from inference.sampling import draw_tokens, filter_logits, processed_distribution
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -180,24 +180,49 @@ def build_target_view(
     greedy: bool,
     target: ImageTarget | None = None,
     token_index: Tensor | None = None,
+    nodes: Tensor | None = None,
+    node_row: Tensor | None = None,
 ) -> TargetView:
     """Target distributions at the tree nodes, CFG rows combined. logits (R, N, V) -> probs (B, N, V).
 
     Given `target` and `token_index` (B, N), the image index each node predicts, the target's
-    `constrain_logits` is applied right after CFG.
+    `constrain_logits` is applied right after CFG. Given `nodes` (I,), the tree's inner nodes (and
+    `node_row`, `Tree.inner_row`), `out.logits` holds only their logits (R, I, V) (the forward's
+    `logits_at`), and the view computes a leaf's distribution from `out.hidden` when a walk ends there.
     """
-    guided, probs = processed_distribution(out.logits, settings, cfg, target, token_index)  # (B, N, V) each
+    index = None if token_index is None else at_nodes(token_index, nodes)
+    guided, probs = processed_distribution(out.logits, settings, cfg, target, index)  # (B, I, V) each
+    batch = guided.shape[0]
     features = None
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
         if rule.representation == "hidden":
-            features = out.hidden[: guided.shape[0]]
+            features = out.hidden[:batch]
         elif rule.representation == "probs":
             features = probs
         else:  # "logits": the filtered guided logits, removed tokens at 0
             features = filter_logits(guided, settings).nan_to_num(neginf=0.0)
     elif isinstance(rule, CascadeDevRule):  # the development rule reads the last-layer states
-        features = out.hidden[: guided.shape[0]]
-    return TargetView(probs, guided.argmax(-1) if greedy else None, features)
+        features = out.hidden[:batch]
+    at_leaf = None
+    if nodes is not None:
+        if target is None or node_row is None:
+            raise ValueError("a view over the inner nodes needs the target (its head) and the tree's inner_row")
+
+        def at_leaf(node: Tensor) -> tuple[Tensor, Tensor]:  # (B,) -> (B, V), (B,)
+            hidden = out.hidden.gather(1, to_rows(node, cfg)[:, None, None].expand(-1, 1, out.hidden.shape[-1]))
+            leaf_index = None if token_index is None else token_index.gather(1, node[:, None])  # (B, 1)
+            guided, probs = processed_distribution(target.image_head(hidden), settings, cfg, target, leaf_index)
+            return probs.squeeze(1), guided.squeeze(1).argmax(-1)  # over (B, 1, V)
+
+    greedy_tokens = guided.argmax(-1) if greedy else None
+    return TargetView(probs, greedy_tokens, features, nodes, None if nodes is None else node_row, at_leaf)
+
+
+def view_nodes(tree: Tree, rule: Rule) -> Tensor | None:
+    """The nodes whose target logits verification needs: a static tree's inner nodes (the head, CFG, top-k and
+    softmax then run on 11 of the default tree's 26 nodes), or None for every node (dynamic trees, and the
+    rules that read the target at leaves: `needs_every_node`)."""
+    return None if needs_every_node(rule) else tree.inner_nodes
 
 
 def _ensure_room(cache: KVCache, needed: int, start: int) -> None:
@@ -223,13 +248,12 @@ def _draft(
         ctx.cache,
         from_target=True,
         valid=to_rows(pending.valid, ctx.cfg),
+        logits_at=(last := to_rows(pending.valid.sum(1) - 1, ctx.cfg)),  # (R,) the bonus token's element
+        cfg_scale=ctx.cfg_scale,
     )
-    last = to_rows(pending.valid.sum(1) - 1, ctx.cfg)  # (R,) the bonus token's element
     rows = torch.arange(last.shape[0], device=last.device)
     predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
-    root_q, root_support = proposal_distribution(
-        out.logits[rows, last][:, None], ctx.settings, ctx.cfg, ctx.target, predicted
-    )
+    root_q, root_support = ctx.proposal(out, predicted)  # (B, 1, V), (B, 1, k)
     root_q = root_q[:, 0]  # (B, V)
     root_support = None if root_support is None else root_support[:, 0]  # (B, k)
     root_hidden = out.hidden[rows, last]  # (R, D)
@@ -357,10 +381,11 @@ def generate_speculative(
                 target_cache,
                 to_rows(tree.attention_mask, cfg),
                 return_aux=use_aux,
+                logits_at=(nodes := view_nodes(tree, rule)),
             )  # step 3
         with hooks.phase("view"):
             predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
-            view = build_target_view(out, rule, settings, cfg, greedy, target, predicted)
+            view = build_target_view(out, rule, settings, cfg, greedy, target, predicted, nodes, tree.inner_row)
         with hooks.phase("verify"):
             # drafts past the image end are never accepted; the limit only binds in a row's last steps
             near_end = most >= num_tokens - config.max_depth

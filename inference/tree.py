@@ -14,7 +14,8 @@ so the children of a node appear in draw order (static, sampled drafts) or draft
 Everything here is a pure tensor function over a batch of trees, vectorised per depth.
 
 Shapes: B prompts (one tree per prompt; the CFG rows share it), N tree nodes (root included),
-V vocabulary, K top-k / children per node, M dynamic-tree candidates, P path length (max depth + 1).
+V vocabulary, K top-k / children per node, M dynamic-tree candidates, P path length (max depth + 1),
+I inner nodes (nodes with children).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class Tree:
     sampled: bool  # True: drafts were sampled without replacement (static tree, sampling mode)
     max_depth: int  # deepest level any row may have
     max_children: int  # widest fan-out
+    inner_nodes: Tensor | None = None  # (I,) int64 nodes with children, ascending, the same in every row
+    # (static trees); None = unknown, every node may have children
+    inner_row: Tensor | None = None  # (N + 1,) int64 each node's position in inner_nodes, -1 for a leaf;
+    # a trailing -1 so that -1 padded paths index it
 
     @property
     def num_nodes(self) -> int:
@@ -86,6 +91,7 @@ class Tree:
         self.__dict__["attention_mask"] = structure.attention_mask.expand(batch, -1, -1)
         self.__dict__["children"] = structure.children.expand(batch, -1, -1)
         self.__dict__["paths"] = structure.paths.expand(batch, -1, -1)
+        self.inner_nodes, self.inner_row = structure.inner_nodes, structure.inner_row
         return self
 
 
@@ -98,6 +104,8 @@ class TreeStructure:
     attention_mask: Tensor  # (1, N, N) bool, ancestor-or-self
     children: Tensor  # (1, N, K) int64, -1 padded
     paths: Tensor  # (1, N, P) int64, -1 padded
+    inner_nodes: Tensor  # (I,) int64 nodes that have children, ascending (the root first)
+    inner_row: Tensor  # (N + 1,) int64 each node's position in inner_nodes, -1 for a leaf and at index N (= -1)
 
 
 @dataclass(frozen=True)
@@ -207,12 +215,17 @@ class StaticTreeSpec:
     def structure(self, device: torch.device) -> TreeStructure:
         """Parents, depths, attention mask, children and paths of the shape on `device`, built once."""
         parents, depths = torch.tensor([self.parents], device=device), torch.tensor([self.depths], device=device)
+        inner = sorted(set(self.parents[1:]))
+        inner_row = torch.full((self.num_nodes + 1,), -1, dtype=torch.long)
+        inner_row[inner] = torch.arange(len(inner))
         return TreeStructure(
             parents,
             depths,
             ancestor_mask(parents, self.max_depth),
             children_table(parents, self.max_children),
             node_paths(parents, depths, self.max_depth),
+            torch.tensor(inner, dtype=torch.long, device=device),
+            inner_row.to(device),
         )
 
     def expanded(self, depth: int) -> list[int]:

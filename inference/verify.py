@@ -31,6 +31,7 @@ Shapes: B rows, N tree nodes, K child slots, V vocabulary, P path length (max de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,9 @@ from inference.rules import (
     Rule,
     SlotInputs,
     TreeInputs,
-    centred_cosine,
-    kl_divergence,
+    at_nodes,
 )
+from inference.similarity import centred_cosine, kl_divergence
 from inference.tree import Tree
 
 __all__ = [
@@ -74,11 +75,22 @@ __all__ = [
 
 @dataclass
 class TargetView:
-    """What verification sees of the target forward over the tree."""
+    """What verification sees of the target forward over the tree.
 
-    probs: Tensor  # (B, N, V) processed target distribution at each node (predicts its children)
-    greedy_tokens: Tensor | None = None  # (B, N) argmax of the guided logits (greedy mode)
-    features: Tensor | None = None  # (B, N, D) CASCADE similarity features (cond branch)
+    The distributions may cover only the nodes with children (`nodes`, a static tree's inner nodes):
+    verification tests children against their parent's distribution, and needs a leaf's only when
+    the walk ends there, for the bonus token, which `at_leaf` computes for that one node per row.
+    """
+
+    probs: Tensor  # (B, I, V) processed target distribution at `nodes` (predicts their children)
+    greedy_tokens: Tensor | None = None  # (B, I) argmax of the guided logits there (greedy mode)
+    features: Tensor | None = None  # (B, N, D) CASCADE similarity features (cond branch), at every node
+    nodes: Tensor | None = None  # (I,) int64 nodes `probs` covers, ascending, every node with children;
+    # None = every node (I = N)
+    node_row: Tensor | None = None  # (N + 1,) int64 each node's row in `probs`, -1 where not covered and at
+    # index N, so that a -1 padded path indexes -1 (`Tree.inner_row`)
+    at_leaf: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+    """With `nodes`: (B,) node ids -> (processed distribution (B, V), argmax of the guided logits (B,)) there."""
 
 
 @dataclass
@@ -127,8 +139,8 @@ def normalise_or_uniform(p: Tensor) -> Tensor:
 
 
 def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> TreeInputs:
-    """Children in test order and which slots are tested: (B, N, K) tables over every node."""
-    children = tree.children  # (B, N, K)
+    """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
+    children = at_nodes(tree.children, view.nodes)  # (B, I, K)
     valid = children >= 0
     if max_accept is not None:  # image end: drafts past it are never tested
         valid &= tree.depths.gather(1, children.clamp_min(0).flatten(1)).view_as(children) <= max_accept[:, None, None]
@@ -140,27 +152,27 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
         earlier = torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1)
         same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
         usable = valid & ~same.any(-1)
-    return TreeInputs(tree, view.probs.float(), view.features, children, kid_tokens, usable)
+    return TreeInputs(tree, view.probs.float(), view.features, children, kid_tokens, usable, view.nodes)
 
 
 def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]:
     """Every node's tests, as if all its children were rejected in turn.
 
-    Returns a0 (B, N, K) the rule's acceptance probability of each child, want (B, N, K) the extra a
-    budgeted rule asks for (zeros otherwise), and the residual after all children (B, N, V).
+    Returns a0 (B, I, K) the rule's acceptance probability of each child, want (B, I, K) the extra a
+    budgeted rule asks for (zeros otherwise), and the residual after all children (B, I, V).
     """
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
-    p = inputs.probs  # (B, N, V)
+    p = inputs.probs  # (B, I, V)
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
-    q_left = tree.q_full.float() if tree.sampled else None  # (B, N, V) proposal mass not drawn yet
-    if tree.sampled:  # (B, N, K) each child's draw probability; 1 where untested, so rules divide unguarded
+    q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
+    if tree.sampled:  # (B, I, K) each child's draw probability; 1 where untested, so rules divide unguarded
         q_kids = tree.q_cond.gather(1, children.clamp_min(0).flatten(1)).view_as(children).masked_fill(~usable, 1.0)
     else:
-        q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, N, K) one-hot proposals
+        q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, I, K) one-hot proposals
     width = children.shape[-1]
     a0s, wants = [], []
     for c in range(width):
-        x = inputs.kid_tokens[..., c]  # (B, N)
+        x = inputs.kid_tokens[..., c]  # (B, I)
         use = usable[..., c]
         q_draw = None if q_left is None else normalise_or_uniform(q_left)
         slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_kids[..., c], q_draw)
@@ -190,22 +202,23 @@ def verify(
         greedy: temperature-0 decoding (deterministic drafts).
     """
     inputs = prepare_tree(tree, view, max_accept)
-    batch, num_nodes, width = inputs.children.shape
+    batch, _, width = inputs.children.shape
+    num_nodes = tree.num_nodes
     device = inputs.probs.device
     rows = torch.arange(batch, device=device)
     paths = tree.paths  # (B, N, P) root-to-node paths, -1 padded
     on_path = paths >= 0
     if greedy:
         passed = _greedy_tests(rule, inputs, _greedy_tokens(view))
-        charge = torch.zeros(batch, num_nodes, width, device=device)
+        charge = torch.zeros_like(inputs.children, dtype=inputs.probs.dtype)
         tested = inputs.usable
         chance = passed.float()
     else:
         a0, want, residual = slot_tables(rule, inputs)
-        charge = _budget(rule, tree, inputs, want, paths)
-        chance = (a0 + charge).clamp_max(1.0)  # (B, N, K)
-        parent_depth = tree.depths[..., None].clamp_max(tree.max_depth - 1).expand(-1, -1, width)
-        draws = uniforms.accept.gather(1, parent_depth)  # (B, N, K)
+        charge = _budget(rule, tree, inputs, want)
+        chance = (a0 + charge).clamp_max(1.0)  # (B, I, K)
+        parent_depth = inputs.at_parents(tree.depths)[..., None].clamp_max(tree.max_depth - 1).expand(-1, -1, width)
+        draws = uniforms.accept.gather(1, parent_depth)  # (B, I, K)
         ok = inputs.usable & (draws < chance)
         first = ok & (ok.long().cumsum(-1) == 1)  # the first accepted child of every node
         passed = first
@@ -218,42 +231,56 @@ def verify(
     last = (tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=device)).masked_fill(~path_ok, -1)
     last_node = last.argmax(-1)  # (B,) deepest, the first such in node order
     walk = paths[rows, last_node]  # (B, P) nodes of the walk: their children were tested
-    walk_ok = walk >= 0
-    walk_nodes = walk.clamp_min(0)
-    made = tested[rows[:, None], walk_nodes] & walk_ok[..., None]  # (B, P, K)
-    accept_prob = torch.where(made, chance[rows[:, None], walk_nodes], float("nan"))[:, : tree.max_depth]
-    tv_charged = (charge[rows[:, None], walk_nodes] * made).sum((1, 2))
+    last_row = last_node
+    if view.node_row is not None:  # rows of the view (-1 for padding); the last node may be a leaf, outside it
+        walk, last_row = view.node_row[walk], view.node_row[last_node]
+    walk_ok, walk_rows = walk >= 0, walk.clamp_min(0)
+    made = tested[rows[:, None], walk_rows] & walk_ok[..., None]  # (B, P, K)
+    accept_prob = torch.where(made, chance[rows[:, None], walk_rows], float("nan"))[:, : tree.max_depth]
+    tv_charged = (charge[rows[:, None], walk_rows] * made).sum((1, 2))
+    ends_at_leaf = None
+    if view.node_row is not None:
+        ends_at_leaf, last_row = last_row < 0, last_row.clamp_min(0)  # (B,) the view does not cover the last node
     if greedy:
-        final = inputs.probs[rows, last_node]
-        next_token = _greedy_tokens(view)[rows, last_node]
+        final = inputs.probs[rows, last_row]
+        next_token = _greedy_tokens(view)[rows, last_row]
     else:
-        final = residual[rows, last_node]  # all children rejected, or none to test (then it is the target)
+        final = residual[rows, last_row]  # all children rejected, or none to test (then it is the target)
+    if ends_at_leaf is not None:  # a walk that ends at a leaf takes the target there
+        if view.at_leaf is None:
+            raise ValueError("a TargetView that covers only some nodes needs at_leaf for the bonus token")
+        leaf_probs, leaf_greedy = view.at_leaf(last_node)  # (B, V), (B,)
+        final = torch.where(ends_at_leaf[:, None], leaf_probs.to(final.dtype), final)
+        if greedy:
+            next_token = torch.where(ends_at_leaf, leaf_greedy, next_token)
+    if not greedy:
         next_token = sample_inverse_cdf(final, uniforms.bonus)
     return Verdict(last_node, tree.depths[rows, last_node], next_token, tv_charged, accept_prob, final)
 
 
-def _budget(rule: Rule, tree: Tree, inputs: TreeInputs, want: Tensor, paths: Tensor) -> Tensor:
-    """Charges (B, N, K) granted in test order along every walk, within the rule's TV budget (CASCADE)."""
+def _budget(rule: Rule, tree: Tree, inputs: TreeInputs, want: Tensor) -> Tensor:
+    """Charges (B, I, K) granted in test order along every walk, within the rule's TV budget (CASCADE)."""
     if not isinstance(rule, CascadeRule):
         return torch.zeros_like(want)
     want = want * inputs.usable
-    before_here = want.cumsum(-1) - want  # (B, N, K) wants of earlier siblings
+    before_here = want.cumsum(-1) - want  # (B, I, K) wants of earlier siblings
     # what the tests that lead to node n took, uncapped: for each ancestor edge, the parent's earlier
     # children and the edge's own want
-    batch, num_nodes, width = want.shape
+    batch, num_nodes = tree.tokens.shape
     through = torch.zeros(batch, num_nodes + 1, device=want.device)
     through.scatter_(
         1, torch.where(inputs.children >= 0, inputs.children, num_nodes).flatten(1), want.cumsum(-1).flatten(1)
     )
     through = through[:, :num_nodes]  # (B, N) uncapped want of the tests up to and including n's own
-    to_node = (through.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) * (paths >= 0)).sum(-1)  # (B, N)
-    spent = to_node[..., None] + before_here  # (B, N, K) uncapped want taken before each test
+    paths = inputs.at_parents(tree.paths)  # (B, I, P) paths to the nodes whose children are tested
+    to_node = (through.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) * (paths >= 0)).sum(-1)  # (B, I)
+    spent = to_node[..., None] + before_here  # (B, I, K) uncapped want taken before each test
     delta = rule.delta
     return (spent + want).clamp_max(delta) - spent.clamp_max(delta)
 
 
 def _greedy_tests(rule: Rule, inputs: TreeInputs, greedy_tokens: Tensor) -> Tensor:
-    """(B, N, K) bool: each child passes its parent's greedy test against the unmodified target."""
+    """(B, I, K) bool: each child passes its parent's greedy test against the unmodified target."""
     is_argmax = inputs.kid_tokens == greedy_tokens[..., None]
     if isinstance(rule, ExactRule):
         return inputs.usable & is_argmax

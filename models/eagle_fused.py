@@ -146,12 +146,24 @@ class FusedDraftStep:
         gate, up = torch.mm(_unit_rms(h, w.eps), w.gate_up).chunk(2, dim=-1)  # (RT, I) each
         return torch.addmm(h, F.silu(gate) * up, w.down).view(rows, length, -1)  # h + MLP, (R, T, H)
 
-    def draft_logits(self, hidden: Tensor, image_head: Callable[[Tensor], Tensor]) -> Tensor:
-        """`EagleDraftModel.draft_logits`: (R, T, H) -> (R, T, Vd)."""
+    def draft_logits(
+        self, hidden: Tensor, image_head: Callable[[Tensor], Tensor], cfg_scale: float | None = None
+    ) -> tuple[Tensor, bool]:
+        """`EagleDraftModel.draft_logits`: (R, T, H) -> (R, T, Vd), and whether CFG was applied.
+
+        With `cfg_scale` and the drafter's own head, which is linear (its norm weight folded in), the
+        [cond; uncond] rows are combined before it: head(u + s (c - u)) = head(u) + s (head(c) - head(u)),
+        so half the rows go through the widest matmul -> (B, T, Vd), guided. The target's head (EAGLE-1
+        without its own) may not be linear (Janus's is an MLP): its logits come back unguided.
+        """
         w = self.weights()
         if w.lm_head is None:
-            return image_head(hidden)
-        return _project(_unit_rms(hidden, w.eps), w.lm_head)
+            return image_head(hidden), False
+        normed = _unit_rms(hidden, w.eps)  # (R, T, H)
+        if cfg_scale is None:
+            return _project(normed, w.lm_head), False
+        cond, uncond = normed.float().chunk(2, dim=0)  # combined in fp32, like logits-space CFG
+        return _project(torch.lerp(uncond, cond, cfg_scale).to(normed.dtype), w.lm_head), True
 
 
 def _project(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:

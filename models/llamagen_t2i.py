@@ -306,9 +306,10 @@ class LlamaGenT2ITarget(DecoderTarget):
         return self.gpt.allocate_cache(rows, capacity)
 
     def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-                    new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+                    new_valid: Tensor | None, return_aux: bool,
+                    logits_at: Tensor | None = None) -> TargetOutput:  # fmt: skip
         hidden, aux = self.gpt(inputs, positions, cache, tree_mask, new_valid, return_aux)
-        return TargetOutput(self.image_head(hidden), hidden, aux)
+        return self.output(hidden, aux, logits_at)
 
     # ------------------------------------------------------------------ image vocabulary
 

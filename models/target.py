@@ -108,7 +108,7 @@ class Conditioning:
 class TargetOutput:
     """One target forward: image logits, post-norm hidden state, optional EAGLE-3 streams."""
 
-    logits: Tensor  # (R, T, V)
+    logits: Tensor  # (R, T, V), or (R, T', V) at the forward's `logits_at`
     hidden: Tensor  # (R, T, D)
     aux: Tensor | None = None  # (R, T, 3D): low, mid and high streams concatenated
 
@@ -170,6 +170,7 @@ class ImageTarget(ABC):
         cache: KVCache,
         tree_mask: Tensor | None = None,
         return_aux: bool = False,
+        logits_at: Tensor | None = None,
     ) -> TargetOutput:
         """Run new image tokens over the cache.
 
@@ -179,6 +180,8 @@ class ImageTarget(ABC):
             cache: holds the prefix and every committed token; the new tokens are appended.
             tree_mask: (T, T) or (R, T, T) bool, which new tokens each may attend to; None = causal.
             return_aux: also return the EAGLE-3 auxiliary streams.
+            logits_at: (T',) int64 the new tokens whose logits are wanted (the head runs on those rows
+                only; `hidden` still covers all T); None = every token.
         """
 
     @abstractmethod
@@ -232,8 +235,10 @@ class DecoderTarget(ImageTarget):
         cache: KVCache,
         tree_mask: Tensor | None = None,
         return_aux: bool = False,
+        logits_at: Tensor | None = None,
     ) -> TargetOutput:
-        return self.run_decoder(self.embed_image_tokens(tokens), positions, cache, tree_mask, None, return_aux)
+        inputs = self.embed_image_tokens(tokens)
+        return self.run_decoder(inputs, positions, cache, tree_mask, None, return_aux, logits_at)
 
     @abstractmethod
     def run_decoder(
@@ -244,5 +249,11 @@ class DecoderTarget(ImageTarget):
         tree_mask: Tensor | None,
         new_valid: Tensor | None,
         return_aux: bool,
+        logits_at: Tensor | None = None,
     ) -> TargetOutput:
-        """Run (R, T, D) input embeddings over the cache; new_valid (R, T) marks padding (None = all valid)."""
+        """Run (R, T, D) input embeddings over the cache; new_valid (R, T) marks padding (None = all valid);
+        logits only at `logits_at` (T',) when given (`forward`). Implementations end in `output`."""
+
+    def output(self, hidden: Tensor, aux: Tensor | None, logits_at: Tensor | None) -> TargetOutput:
+        """The `TargetOutput` of a decoder pass: hidden (R, T, D) -> the head's logits at `logits_at` (or all T)."""
+        return TargetOutput(self.image_head(hidden if logits_at is None else hidden[:, logits_at]), hidden, aux)

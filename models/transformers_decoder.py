@@ -153,12 +153,13 @@ class TransformersDecoderTarget(DecoderTarget):
         )
 
     def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
-                    new_valid: Tensor | None, return_aux: bool) -> TargetOutput:  # fmt: skip
+                    new_valid: Tensor | None, return_aux: bool,
+                    logits_at: Tensor | None = None) -> TargetOutput:  # fmt: skip
         aux_ids = self._aux_layer_ids if return_aux else ()
         hidden, aux = run_decoder_layers(
             self.language_model, inputs, positions, cache, tree_mask, new_valid, self.num_layers, aux_ids
         )
-        return TargetOutput(self.image_head(hidden), hidden, aux)
+        return self.output(hidden, aux, logits_at)
 
 
 def placement(device: torch.device | str | None, dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:

@@ -35,11 +35,13 @@ class FixedLogitsDrafter:
         valid: Tensor | None = None,
         tree_start: int | None = None,
         tree_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        cfg_scale: float | None = None,
     ) -> DraftOutput:
         rows, length = tokens.shape
         cache.advance(valid if valid is not None else torch.ones_like(tokens, dtype=torch.bool))
-        logits = self.logits.to(features.device).expand(rows, length, -1)
-        return DraftOutput(logits, torch.zeros(rows, length, 1, device=features.device))
+        logits = self.logits.to(features.device).expand(rows, 1 if logits_at is not None else length, -1)
+        return DraftOutput(logits, torch.zeros(rows, length, 1, device=features.device))  # never guided
 
 
 class OracleDrafter:
@@ -77,6 +79,8 @@ class OracleDrafter:
         valid: Tensor | None = None,
         tree_start: int | None = None,
         tree_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        cfg_scale: float | None = None,
     ) -> DraftOutput:
         rows, length = tokens.shape
         if tree_start is None:
@@ -103,4 +107,6 @@ class OracleDrafter:
             predicted = positions[:, -length:] - self.target.image_positions(torch.zeros_like(positions[:, :1])) + 1
             wrong = predicted % self.wrong_every == self.wrong_every - 1  # (R, T)
             logits = torch.where(wrong[..., None], -logits, logits)
-        return DraftOutput(logits, hidden)
+        if logits_at is not None:
+            logits = logits[torch.arange(rows), logits_at][:, None]  # (R, 1, V)
+        return DraftOutput(logits, hidden)  # raw: the decoder applies CFG

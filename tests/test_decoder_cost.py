@@ -63,12 +63,15 @@ def test_every_rule_and_tree_kind_reads_the_host_at_most_once_per_step(op_rows):
 
 
 # Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets):
-# drafting [static 570-592 (the first rule builds the tree's tables once), dynamic 536, dynamic-sampled 616],
-# verification by exact [185, 257, 273] and by the other rules [280-348, 347-420, 368-436], view [9-10],
-# commit [74]. The target's own forward [391, 430] is the model's code, not the decoder's.
+# drafting [static 571-593 (the first rule builds the tree's tables once), dynamic 537, dynamic-sampled 617],
+# verification by exact [215, 257, 273] and by the other rules [310-380, 347-419, 368-435], view [9-11],
+# commit [74]. The target's own forward [392, 430] is the model's code, not the decoder's. Static-tree
+# verification costs 30 ops more since the target view covers only the nodes with children: the bonus
+# token of a walk that ends at a leaf needs the head and logits chain at that one node (`at_leaf`), the
+# price of running them, and every V-wide verification table, on 11 rows instead of 26.
 DRAFT_CEILING = {"static": 620, "dynamic": 590, "dynamic-sampled": 670}
-EXACT_VERIFY_CEILING = {"static": 205, "dynamic": 283, "dynamic-sampled": 300}
-VERIFY_CEILING = {"static": 385, "dynamic": 462, "dynamic-sampled": 480}
+EXACT_VERIFY_CEILING = {"static": 237, "dynamic": 283, "dynamic-sampled": 300}
+VERIFY_CEILING = {"static": 418, "dynamic": 462, "dynamic-sampled": 480}
 
 
 def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):

@@ -14,12 +14,13 @@ from conftest import build_tiny_toy_target
 from stub_drafters import FixedLogitsDrafter, OracleDrafter
 from test_drafter_models import tiny_drafter
 
+from inference import speculative
 from inference.autoregressive import generate_ar
 from inference.drafter import build_draft_attention_mask
 from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.sampling import proposal_distribution
-from inference.speculative import DecoderConfig, generate_speculative
+from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
@@ -154,6 +155,35 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target):
         for _ in range(2)
     ]
     assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize(
+    "rule", [ExactRule(), CascadeRule(tau_pos=0.5, tau_seq=0.3, delta=0.3)], ids=["exact", "cascade"]
+)
+def test_a_view_of_the_inner_nodes_decodes_the_same_image(tiny_target, rule, monkeypatch):
+    """On a static tree the target's head and logits chain run only at nodes with children (and at a leaf that
+    ends a walk): for one seed the image must be the one decoded with the target at every node."""
+    spec = StaticTreeSpec(MC_SIM_7B_63)
+    inner = spec.structure(torch.device("cpu")).inner_nodes
+    assert len(inner) == 11 and spec.num_nodes == 26  # what the view saves on the default tree
+
+    last_nodes = []
+
+    class LastNodes(DecodeHooks):
+        def on_verify(self, tree, view, verdict):
+            last_nodes.append(verdict.last_node)
+
+    def decode() -> torch.Tensor:
+        drafter = OracleDrafter(tiny_target, scale=0.5)
+        config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
+        generator = torch.Generator().manual_seed(3)
+        return generate_speculative(tiny_target, drafter, PROMPTS, rule, config, generator=generator, hooks=LastNodes())
+
+    inner_only = decode().tokens
+    leaf = spec.structure(torch.device("cpu")).inner_row[torch.cat(last_nodes)] < 0
+    assert 0 < leaf.sum() < len(leaf)  # some walks end at a leaf, where only at_leaf knows the target
+    monkeypatch.setattr(speculative, "view_nodes", lambda tree, rule: None)
+    assert torch.equal(inner_only, decode().tokens)
 
 
 def test_every_rule_decodes_every_tree_kind(tiny_target):

@@ -11,7 +11,15 @@ import pytest
 import torch
 from reference_verify import reference_batch
 
-from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.rules import (
+    CascadeDevRule,
+    CascadeRule,
+    ExactRule,
+    GSDBlocksRule,
+    GSDRule,
+    LanternRule,
+    needs_every_node,
+)
 from inference.tree import StaticTreeSpec, Tree, gumbel_topk
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
@@ -100,6 +108,48 @@ def test_vectorised_verify_equals_the_textbook_loop(sampled):
                 assert [(int(d), int(c)) for d, c, _ in made] == [(d, c) for d, c, _ in outcome.tests]
                 for (_, _, got), (_, _, want) in zip(made, outcome.tests, strict=True):
                     assert got == pytest.approx(want, abs=1e-5)
+
+
+def inner_view(view: TargetView) -> TargetView:
+    """The view restricted to SMALL_TREE's nodes with children, with the full view's leaves as `at_leaf`."""
+    structure = StaticTreeSpec(SMALL_TREE).structure(torch.device("cpu"))
+    nodes, rows = structure.inner_nodes, torch.arange(view.probs.shape[0])
+
+    def at_leaf(node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return view.probs[rows, node], view.probs[rows, node].argmax(-1)
+
+    greedy_at = None if view.greedy_tokens is None else view.greedy_tokens[:, nodes]
+    return TargetView(view.probs[:, nodes], greedy_at, view.features, nodes, structure.inner_row, at_leaf)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "sampled", "greedy"])
+def test_a_view_of_the_inner_nodes_decides_as_the_view_of_every_node(mode):
+    """The decoder's target view covers only a static tree's nodes with children (the head and the logits chain
+    run on 11 of the default tree's 26 nodes); verification must decide exactly as with every node's target."""
+    vocab, ends_at_leaf = 10, 0
+    leaves = [n for n in range(len(SMALL_TREE) + 1) if n not in StaticTreeSpec(SMALL_TREE).parents]
+    for seed in range(3):
+        tree, view = build_case(SMALL_TREE, batch=8, vocab=vocab, sampled=mode == "sampled", seed=seed)
+        view.greedy_tokens = view.probs.argmax(-1)
+        partial = inner_view(view)
+        max_accept = torch.tensor([3, 3, 2, 1, 0, 3, 3, 3])
+        for rule in all_rules(vocab, seed):
+            uniforms = Uniforms.draw(tree, torch.Generator().manual_seed(seed))
+            if needs_every_node(rule):
+                with pytest.raises(ValueError, match="every node"):
+                    verify(tree, partial, rule, uniforms, max_accept, greedy=mode == "greedy")
+                continue
+            full = verify(tree, view, rule, uniforms, max_accept, greedy=mode == "greedy")
+            part = verify(tree, partial, rule, uniforms, max_accept, greedy=mode == "greedy")
+            assert torch.equal(part.last_node, full.last_node), rule
+            assert torch.equal(part.num_accepted, full.num_accepted)
+            assert torch.equal(part.next_token, full.next_token)
+            torch.testing.assert_close(part.tv_charged, full.tv_charged)
+            torch.testing.assert_close(part.accept_prob, full.accept_prob, equal_nan=True)
+            torch.testing.assert_close(part.final_probs, full.final_probs)
+            ends_at_leaf += sum(int(n) in leaves for n in full.last_node)
+    if mode != "greedy":  # random drafts rarely match the argmax path, so greedy walks stop at the root
+        assert ends_at_leaf > 0  # walks that end at a leaf, where only at_leaf knows the target
 
 
 def test_cascade_charges_stay_within_delta_and_zero_budget_is_exact():

@@ -1,7 +1,8 @@
 """The decoding form of the drafter (`models.eagle_fused.FusedDraftStep`) against the training modules.
 
 Same hidden states and logits through the KV cache, for both heads, grouped key/value heads and a
-reduced draft vocabulary; fused weights that follow an optimizer step; fewer aten ops than the modules.
+reduced draft vocabulary; fused weights that follow an optimizer step; fewer aten ops than the modules;
+CFG before the drafter's own head equal to CFG of its logits, at the elements asked for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from conftest import build_tiny_toy_target
 from test_drafter_models import close_in_fp32, tiny_drafter
 
 from inference.cost import OpCounter
+from inference.eagle import EagleDrafter
+from inference.sampling import combine_cfg
 from models.eagle_fused import FusedDraftStep
 
 
@@ -34,7 +37,10 @@ def run_both(model, target, seed: int = 0):
             module_hidden, _, _ = model(embeds, features, positions, mask, from_target=from_target, cache=module_cache)
             fused_hidden = step(embeds, features, positions, mask, from_target=from_target, cache=fused_cache)
             head = target.image_head
-            module_logits, fused_logits = model.draft_logits(module_hidden, head), step.draft_logits(fused_hidden, head)
+            module_logits, fused_logits = (
+                model.draft_logits(module_hidden, head),
+                step.draft_logits(fused_hidden, head)[0],
+            )
             passes.append((module_hidden, fused_hidden, module_logits, fused_logits))
         module_cache.advance(length)
         fused_cache.advance(length)
@@ -116,3 +122,33 @@ def test_fused_step_dispatches_fewer_ops_than_the_modules():
         counts[name] = counter.ops["draft"]
     # measured: 116 (modules) against 64 (fused)
     assert counts["fused"] <= 0.6 * counts["modules"], counts
+
+
+@pytest.mark.parametrize("architecture, own_head", [("eagle1", False), ("eagle3", True)])
+def test_guidance_before_the_drafters_head_equals_guidance_of_its_logits(architecture, own_head):
+    """The decoder passes `cfg_scale` and `logits_at` (the last element read before a tree): a drafter's own
+    (linear) head then runs on the combined rows at that element only, and must give what CFG of every row's
+    logits gives there; through the target's head (the tiny EAGLE-1 drafter's) the logits come back unguided."""
+    target = build_tiny_toy_target()
+    reduced = {"draft_vocab_size": 40} if architecture == "eagle3" else {}  # with a reduced vocabulary too
+    model = tiny_drafter(architecture, **reduced).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows, length, scale = 4, 3, 4.5  # [cond; uncond] rows of two prompts
+    features = torch.randn(rows, length, model.config.feature_width, generator=generator)
+    tokens = torch.randint(0, target.image_vocab_size, (rows, length), generator=generator)
+    positions = target.image_positions(torch.arange(length)).expand(rows, -1)
+    valid = torch.ones(rows, length, dtype=torch.bool)
+    last = torch.tensor([2, 1, 2, 1])  # per row, the element whose logits are wanted
+    outputs = []
+    for keywords in ({}, {"logits_at": last, "cfg_scale": scale}):
+        drafter = EagleDrafter(model, target)
+        cache = drafter.allocate_cache(rows, 8)
+        outputs.append(drafter.forward(features, tokens, positions, cache, from_target=True, valid=valid, **keywords))
+    every, guided = outputs
+    picked = every.logits[torch.arange(rows), last]  # (R, V)
+    want = (combine_cfg(picked, scale) if own_head else picked)[:, None]  # (B or R, 1, V)
+    assert not every.guided and guided.guided == own_head and guided.logits.shape == want.shape
+    finite = want > torch.finfo(want.dtype).min / 2  # outside a reduced draft vocabulary: the lowest logit
+    torch.testing.assert_close(guided.logits[finite], want[finite], atol=1e-4, rtol=1e-4)
+    assert torch.equal(finite, guided.logits > torch.finfo(want.dtype).min / 2)
+    torch.testing.assert_close(guided.hidden, every.hidden)

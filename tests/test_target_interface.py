@@ -53,6 +53,23 @@ def test_forward_logits_are_the_frozen_head_of_the_hidden_state(tiny_target):
     assert embedding.shape == (2, 3, tiny_target.hidden_size) and not embedding.requires_grad
 
 
+def test_forward_computes_logits_only_where_asked(tiny_target):
+    """`logits_at` (the tree decoder's inner nodes) runs the head on those rows only; hidden covers every token."""
+    conditioning = tiny_target.condition(PROMPTS, cfg=True)
+    tokens = torch.randint(0, tiny_target.image_vocab_size, (4, 5), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for logits_at in (None, torch.tensor([0, 2, 3])):
+        cache = tiny_target.allocate_cache(4, tiny_target.prefix_length + 5)
+        tiny_target.prefill(conditioning, cache)
+        positions = tiny_target.image_positions(torch.arange(5))
+        outputs.append(tiny_target.forward(tokens, positions, cache, return_aux=True, logits_at=logits_at))
+    every, some = outputs
+    assert some.logits.shape == (4, 3, tiny_target.image_vocab_size) and some.hidden.shape == every.hidden.shape
+    torch.testing.assert_close(some.logits, every.logits[:, [0, 2, 3]])
+    torch.testing.assert_close(some.hidden, every.hidden)
+    torch.testing.assert_close(some.aux, every.aux)
+
+
 def test_combine_cfg_is_u_plus_s_times_c_minus_u():
     cond, uncond = torch.tensor([[1.0, 3.0]]), torch.tensor([[2.0, 0.0]])
     torch.testing.assert_close(combine_cfg(torch.cat([cond, uncond]), 3.0), torch.tensor([[-1.0, 9.0]]))
