@@ -5,7 +5,9 @@ a stall; on this CPU neither shows in milliseconds. `OpCounter` is a `DecodeHook
 decoder under a `TorchDispatchMode` and counts, per phase of the decode loop (draft, target, view,
 verify, commit), the aten ops dispatched and the host syncs among them: `_local_scalar_dense` (what
 `.item()`, `int()`, `bool()` and `if tensor:` dispatch), `nonzero` / `masked_select` / `unique`
-(their output size is read from the device) and device-to-host copies.
+(their output size is read from the device) and device-to-host copies. It also counts the tensor
+views among the ops (reshapes, slices, transposes: no kernel launch, no memory traffic), so the
+table can give the ratio both ways.
 
     counter = OpCounter()
     generate_speculative(target, drafter, prompts, rule, config, generator=g, hooks=counter)
@@ -50,6 +52,7 @@ class OpCounter(DecodeHooks):
 
     def __init__(self) -> None:
         self.ops = dict.fromkeys(PHASES, 0)
+        self.views = dict.fromkeys(PHASES, 0)  # among the ops: tensor views (reshapes, slices): no kernel launch
         self.syncs = dict.fromkeys(PHASES, 0)
         self.steps = 0
         self._phase: str | None = None
@@ -59,6 +62,7 @@ class OpCounter(DecodeHooks):
             return
         name = func.__name__.split(".")[0]
         self.ops[self._phase] += 1
+        self.views[self._phase] += bool(getattr(func, "is_view", False))
         to_host = name in ("_to_copy", "copy_") and _device_to_host(name, args, kwargs)
         if name in SYNC_OPS or to_host:
             self.syncs[self._phase] += 1
@@ -79,6 +83,10 @@ class OpCounter(DecodeHooks):
         """(aten ops, host syncs) per verification step, by phase."""
         steps = max(self.steps, 1)
         return {p: (self.ops[p] / steps, self.syncs[p] / steps) for p in PHASES}
+
+    def views_per_step(self) -> dict[str, float]:
+        """Tensor-view ops (no kernel, no memory traffic) per verification step, by phase."""
+        return {p: self.views[p] / max(self.steps, 1) for p in PHASES}
 
 
 def _device_to_host(name: str, args: tuple, kwargs: dict) -> bool:
@@ -113,17 +121,21 @@ def count_decode_ops(
             for i, prompt in enumerate(prompts):
                 generator = torch.Generator(device=target.device).manual_seed(seed + i)
                 generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=counter)
-            per_step = counter.per_step()
-            overhead = sum(per_step[p][0] for p in ("draft", "view", "verify", "commit"))
+            per_step, views = counter.per_step(), counter.views_per_step()
+            overhead_phases = ("draft", "view", "verify", "commit")
+            overhead = sum(per_step[p][0] for p in overhead_phases)
+            computing = overhead - sum(views[p] for p in overhead_phases)
             rows.append(
                 {
                     "tree": tree_name,
                     "rule": label,
                     "steps": counter.steps,
                     "ops": {p: per_step[p][0] for p in PHASES},
+                    "tensor_view_ops": views,
                     "syncs": {p: per_step[p][1] for p in PHASES},
                     "syncs_per_step": sum(per_step[p][1] for p in PHASES),
                     "overhead_ops_per_target_op": overhead / max(per_step["target"][0], 1.0),
+                    "overhead_non_view_ops_per_target": computing / max(per_step["target"][0] - views["target"], 1.0),
                 }
             )
     return rows
@@ -132,15 +144,18 @@ def count_decode_ops(
 def format_op_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `count_decode_ops` as a text table, ops and syncs per verification step."""
     header = f"{'tree':<16} {'rule':<14} " + " ".join(f"{p + ' ops':>11}" for p in PHASES)
-    header += f" {'syncs/step':>10} {'overhead/target':>15}"
+    header += f" {'syncs/step':>10} {'overhead/target':>15} {'no views':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
         ops = " ".join(f"{r['ops'][p]:>11.0f}" for p in PHASES)
-        ratio = r["overhead_ops_per_target_op"]
-        lines.append(f"{r['tree']:<16} {r['rule']:<14} {ops} {r['syncs_per_step']:>10.2f} {ratio:>15.2f}")
+        ratio, computing = r["overhead_ops_per_target_op"], r["overhead_non_view_ops_per_target"]
+        lines.append(
+            f"{r['tree']:<16} {r['rule']:<14} {ops} {r['syncs_per_step']:>10.2f} {ratio:>15.2f} {computing:>8.2f}"
+        )
     lines.append(
         "aten ops and host syncs (_local_scalar_dense, nonzero, device-to-host copies) per verification step, eager; "
-        "overhead = draft + view + verify + commit ops over the target forward's"
+        "overhead = draft + view + verify + commit ops over the target forward's; no views: the same ratio without "
+        "tensor views (reshapes, slices: no kernel launch)"
     )
     return "\n".join(lines)
 

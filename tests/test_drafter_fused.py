@@ -120,8 +120,8 @@ def test_fused_step_dispatches_fewer_ops_than_the_modules():
                 hidden = step(embeds, features, positions, mask, from_target=True, cache=cache)
                 step.draft_logits(hidden, target.image_head)
         counts[name] = counter.ops["draft"]
-    # measured: 116 (modules) against 64 (fused)
-    assert counts["fused"] <= 0.6 * counts["modules"], counts
+    # measured: 116 (modules) against 57 (fused)
+    assert counts["fused"] <= 0.55 * counts["modules"], counts
 
 
 @pytest.mark.parametrize("architecture, own_head", [("eagle1", False), ("eagle3", True)])
