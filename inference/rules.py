@@ -68,6 +68,7 @@ class TreeInputs:
     kid_tokens: Tensor  # (B, I, K)
     usable: Tensor  # (B, I, K) bool: the slot is tested when reached
     nodes: Tensor | None = None  # (I,) the parent nodes; None = every node (I = N)
+    kid_q: Tensor | None = None  # (B, I, K) each child's conditional draw probability (sampled trees)
 
     def at_parents(self, x: Tensor) -> Tensor:
         """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""

@@ -141,18 +141,24 @@ def normalise_or_uniform(p: Tensor) -> Tensor:
 def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> TreeInputs:
     """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
     children = at_nodes(tree.children, view.nodes)  # (B, I, K)
+    kid_index = children.clamp_min(0).flatten(1)  # (B, I K)
+
+    def at_kids(values: Tensor) -> Tensor:  # per-node (B, N) -> each child's (B, I, K)
+        return values.gather(1, kid_index).view_as(children)
+
     valid = children >= 0
     if max_accept is not None:  # image end: drafts past it are never tested
-        valid &= tree.depths.gather(1, children.clamp_min(0).flatten(1)).view_as(children) <= max_accept[:, None, None]
-    kid_tokens = tree.tokens.gather(1, children.clamp_min(0).flatten(1)).view_as(children)
+        valid &= at_kids(tree.depths) <= max_accept[:, None, None]
+    kid_tokens, kid_q = at_kids(tree.tokens), None
     if tree.sampled:  # drawn without replacement: no duplicates; a draw with q = 0 is padding, not a draft
-        usable = valid & (tree.q_cond.gather(1, children.clamp_min(0).flatten(1)).view_as(children) > 0)
+        kid_q = at_kids(tree.q_cond)
+        usable = valid & (kid_q > 0)
     else:  # deterministic drafts: a repeated sibling token is tested once (§8)
         width = children.shape[-1]
         earlier = torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1)
         same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
         usable = valid & ~same.any(-1)
-    return TreeInputs(tree, view.probs.float(), view.features, children, kid_tokens, usable, view.nodes)
+    return TreeInputs(tree, view.probs.float(), view.features, children, kid_tokens, usable, view.nodes, kid_q)
 
 
 def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]:
@@ -165,8 +171,8 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
     p = inputs.probs  # (B, I, V)
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
     q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
-    if tree.sampled:  # (B, I, K) each child's draw probability; 1 where untested, so rules divide unguarded
-        q_kids = tree.q_cond.gather(1, children.clamp_min(0).flatten(1)).view_as(children).masked_fill(~usable, 1.0)
+    if inputs.kid_q is not None:  # sampled: (B, I, K) each child's draw probability; 1 where untested, so
+        q_kids = inputs.kid_q.masked_fill(~usable, 1.0)  # rules divide unguarded
     else:
         q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, I, K) one-hot proposals
     width = children.shape[-1]
