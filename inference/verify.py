@@ -11,7 +11,10 @@ What makes this cheap: the residual at u only depends on u and its own children,
 that led to u (it restarts from the target at every depth). So the residuals and acceptance
 probabilities of all nodes are computed at once, in a loop over the K child slots only, and the walk
 itself is a few gathers along the tree's root-to-node paths. The aten op count per step is
-independent of tree depth and size, and there is no host-device sync.
+independent of tree depth and size, and there is no host-device sync. Only parents need the
+target's distribution: on a static tree the view covers its inner nodes (`TargetView.nodes`), every
+V-wide table has one row per inner node, and a walk that ends at a leaf reads the target there
+through `TargetView.at_leaf`.
 
 - Sampled drafts (static or dynamic sampled trees): recursive rejection sampling without
   replacement. Child c was drawn from q_c = q(u) with the earlier children removed, renormalised; it
@@ -26,7 +29,8 @@ independent of tree depth and size, and there is no host-device sync.
   x is the argmax; relaxed rules: x's relaxed mass exceeds every other token's p) and the deepest
   node whose whole path passes is accepted (LANTERN's longest accepted path); the bonus is the argmax.
 
-Shapes: B rows, N tree nodes, K child slots, V vocabulary, P path length (max depth + 1), D features.
+Shapes: B rows, N tree nodes, I nodes the view covers (a static tree's inner nodes, else N), K child
+slots, V vocabulary, P path length (max depth + 1), D features.
 """
 
 from __future__ import annotations
