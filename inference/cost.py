@@ -62,7 +62,7 @@ class OpCounter(DecodeHooks):
             return
         name = func.__name__.split(".")[0]
         self.ops[self._phase] += 1
-        self.views[self._phase] += bool(getattr(func, "is_view", False))
+        self.views[self._phase] += bool(getattr(func, "is_view", False)) or name == "_unsafe_view"  # reshape's
         to_host = name in ("_to_copy", "copy_") and _device_to_host(name, args, kwargs)
         if name in SYNC_OPS or to_host:
             self.syncs[self._phase] += 1

@@ -10,9 +10,10 @@ drafter itself deeper in a draft tree:
 - EAGLE-3 (`feature_source = "aux"`): the target's low/mid/high streams `aux` (R, T, 3D), fused by the
   drafter's fc; deeper levels feed back the drafter's own hidden (no fc): `from_target=False`.
 
-The drafter runs every CFG row ([cond; uncond]) and returns raw logits; the decoder applies the
-target's processing (CFG, the target's `constrain_logits` at the image index each element predicts,
-temperature, top-k, top-p) to them (cascade.md §2.1).
+The drafter runs every CFG row ([cond; uncond]) and returns raw logits, or, given `cfg_scale` and a
+linear head of its own, logits already combined by CFG (`DraftOutput.guided`); the decoder applies the
+rest of the target's processing (CFG if not done, the target's `constrain_logits` at the image index
+each element predicts, temperature, top-k, top-p) to them (cascade.md §2.1).
 
 Cache protocol: pairs with `from_target=True` are committed context. While drafting a tree the
 decoder notes `tree_start = cache.length`, calls the drafter once per level with `tree_start` and

@@ -136,7 +136,8 @@ class EagleDrafter:
         hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
                            from_target=from_target, cache=cache)  # fmt: skip
         cache.advance(tokens.shape[1] if valid is None else valid)
-        wanted = hidden if logits_at is None else hidden[torch.arange(hidden.shape[0]), logits_at][:, None]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        wanted = hidden if logits_at is None else hidden[rows, logits_at][:, None]  # (R, T', H)
         logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale)  # (R or B, T', Vd)
         return DraftOutput(self.model.to_image_vocab(logits).float(), hidden, guided)
 

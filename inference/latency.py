@@ -112,6 +112,7 @@ def measure_target_latency(
     seed: int = 0,
     aux: bool = True,
     tree: tuple[Tensor, Tensor] | None = None,
+    inner_logits: bool = False,
 ) -> LatencyReport:
     """Time AR steps and `tree_nodes`-node verifications of `target` at one context (see the module docstring).
 
@@ -127,6 +128,8 @@ def measure_target_latency(
         aux: also return the EAGLE-3 auxiliary streams, as the decoder does for EAGLE-3 drafters.
         tree: (parents (N,), depths (N,)) of the tree to verify, parents[0] = -1, instead of the synthetic
             one; its N replaces `tree_nodes`.
+        inner_logits: run the head only at the tree's nodes with children (`forward`'s `logits_at`), as the
+            decoder does on static trees; else at every node.
     """
     if tree is not None:
         tree_nodes = int(tree[0].numel())
@@ -167,11 +170,11 @@ def measure_target_latency(
         target.forward(image_tokens_for(context), positions, cache)
     base = cache.length
 
-    def timed(tokens: Tensor, positions: Tensor, mask: Tensor | None) -> list[float]:
+    def timed(tokens: Tensor, positions: Tensor, mask: Tensor | None, logits_at: Tensor | None = None) -> list[float]:
         times = []
         for repeat in range(warmup + steps):
             begin = synchronized_clock(device)
-            target.forward(tokens, positions, cache, tree_mask=mask, return_aux=aux)
+            target.forward(tokens, positions, cache, tree_mask=mask, return_aux=aux, logits_at=logits_at)
             elapsed = synchronized_clock(device) - begin
             cache.truncate(base)
             if repeat >= warmup:
@@ -184,7 +187,8 @@ def measure_target_latency(
     parents, depths = synthetic_tree(tree_nodes, branching) if tree is None else tree
     mask = ancestor_mask(parents[None].expand(rows, -1), int(depths.max())).to(device)  # (R, N, N), per row
     tree_positions = target.image_positions((context + depths).clamp_max(image_tokens - 1).to(device))  # as the decoder
-    verify_times = timed(image_tokens_for(tree_nodes), tree_positions, mask)
+    inner = torch.unique(parents[parents >= 0]).to(device) if inner_logits else None  # (I,) nodes with children
+    verify_times = timed(image_tokens_for(tree_nodes), tree_positions, mask, inner)
 
     weight = target.image_head_weight()
     modules = [module for module in vars(target).values() if isinstance(module, torch.nn.Module)]

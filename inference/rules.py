@@ -357,10 +357,7 @@ class CascadeRule:
             grand = tree.parents.clamp_min(0)  # (B, N)
             up = (feats * feats[rows, grand]).sum(-1)  # (B, N): sim(F[u], F[parent(u)])
             converged = inputs.at_parents((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
-        if self.kl_gate is not None:
-            if inputs.nodes is not None:
-                raise ValueError("cascade's kl_gate compares a child's target distribution with its parent's: "
-                                 "the TargetView must cover every node (needs_every_node)")  # fmt: skip
+        if self.kl_gate is not None:  # target distributions at every node (`needs_every_node`)
             kid_p = inputs.probs[rows[..., None], kid]  # (B, N, K, V)
             converged = converged & (kl_divergence(kid_p, inputs.probs[:, :, None]) < self.kl_gate)
         converged = converged & usable & self.use_convergence

@@ -27,6 +27,7 @@ D hidden size, Df drafter feature width.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -252,6 +253,9 @@ def _draft(
         cfg_scale=ctx.cfg_scale,
     )
     rows = torch.arange(last.shape[0], device=last.device)
+    if out.logits.shape[1] != 1:  # a drafter that computes every element's logits: take the bonus element here
+        picked = last[: out.logits.shape[0]]  # guided logits have B rows, the first B of R share their element
+        out = dataclasses.replace(out, logits=out.logits[rows[: len(picked)], picked][:, None])
     predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
     root_q, root_support = ctx.proposal(out, predicted)  # (B, 1, V), (B, 1, k)
     root_q = root_q[:, 0]  # (B, V)

@@ -14,7 +14,8 @@ projected speedup is
 
 - t(AR step) and the tree forward: `inference.latency.measure_target_latency` at half an image of
   context (the mean over a whole image), the tree forward over the decoder's own tree (the static
-  list's shape; a dynamic tree's node count), aux streams on for an EAGLE-3 drafter;
+  list's shape, with the head at its nodes with children as the decoder runs it; a dynamic tree's node
+  count), aux streams on for an EAGLE-3 drafter;
 - drafting, target view (CFG, the target's logits chain), rule (`verify`) and bookkeeping (KV commit,
   token append, the step's one host read): the medians over `steps` speculative steps of the decode
   loop itself (`generate_speculative`), timed through its phase hooks ("draft", "view", "verify",
@@ -257,7 +258,7 @@ def measure_step_latency(
     cfg = settings.cfg_scale != 1.0
     base = measure_target_latency(target, context_tokens=context_tokens, steps=steps, warmup=warmup, prompts=prompts,
                                   cfg=cfg, seed=seed, aux=drafter.feature_source == "aux",
-                                  tree=decoder_tree_shape(config))  # fmt: skip
+                                  tree=decoder_tree_shape(config), inner_logits=config.tree == "static")  # fmt: skip
     timings = []
     for label, rule in rules.items():
         timer = time_decode_steps(target, drafter, rule, config, [PROMPT] * prompts, settings, steps, warmup, seed,

@@ -53,6 +53,7 @@ from inference.rules import (
     SlotInputs,
     TreeInputs,
     at_nodes,
+    needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence
 from inference.tree import Tree
@@ -144,6 +145,8 @@ def normalise_or_uniform(p: Tensor) -> Tensor:
 
 def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> TreeInputs:
     """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
+    if view.nodes is not None and (view.node_row is None or view.at_leaf is None):
+        raise ValueError("a TargetView over some nodes needs node_row (Tree.inner_row) and at_leaf for the leaves")
     children = at_nodes(tree.children, view.nodes)  # (B, I, K)
     kid_index = children.clamp_min(0).flatten(1)  # (B, I K)
 
@@ -200,17 +203,20 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
 def verify(
     tree: Tree, view: TargetView, rule: Rule, uniforms: Uniforms, max_accept: Tensor | None = None, greedy: bool = False
 ) -> Verdict:
-    """Verify B drafted trees after one target forward over all their nodes. No host-device sync.
+    """Verify B drafted trees after one target forward over their nodes. No host-device sync.
 
     Args:
         tree: the drafted trees (node 0 = root).
-        view: target distributions (and greedy tokens / CASCADE features) at every node.
+        view: target distributions (and greedy tokens) at every node or at the inner nodes (`TargetView`),
+            CASCADE features at every node.
         rule: the verification rule (`inference.rules`).
         uniforms: pre-drawn randomness: uniforms.accept[b, d, c] decides the test of child c of the
             depth-d node on row b's walk.
         max_accept: (B,) accept at most this many drafts per row (image end); None = no limit.
         greedy: temperature-0 decoding (deterministic drafts).
     """
+    if view.nodes is not None and needs_every_node(rule):
+        raise ValueError(f"{rule.name} reads the target at every node (needs_every_node): the TargetView covers some")
     inputs = prepare_tree(tree, view, max_accept)
     batch, _, width = inputs.children.shape
     num_nodes = tree.num_nodes
@@ -256,9 +262,7 @@ def verify(
         next_token = _greedy_tokens(view)[rows, last_row]
     else:
         final = residual[rows, last_row]  # all children rejected, or none to test (then it is the target)
-    if ends_at_leaf is not None:  # a walk that ends at a leaf takes the target there
-        if view.at_leaf is None:
-            raise ValueError("a TargetView that covers only some nodes needs at_leaf for the bonus token")
+    if ends_at_leaf is not None and view.at_leaf is not None:  # a walk that ends at a leaf takes the target there
         leaf_probs, leaf_greedy = view.at_leaf(last_node)  # (B, V), (B,)
         final = torch.where(ends_at_leaf[:, None], leaf_probs.to(final.dtype), final)
         if greedy:

@@ -250,9 +250,9 @@ class EagleDraftModel(nn.Module):
     def to_image_vocab(self, draft_logits: Tensor) -> Tensor:
         """Scatter draft-vocabulary logits into the image vocabulary: (..., Vd) -> (..., V).
 
-        Tokens outside it get the most negative finite logit, not -inf: the decoder combines [cond; uncond]
-        rows by CFG, u + s (c - u), which is NaN for -inf - -inf but stays at that value here, and softmax
-        gives them probability 0 either way.
+        Tokens outside it get the most negative finite logit, not -inf: where the decoder combines [cond;
+        uncond] logits by CFG, u + s (c - u) is NaN for -inf - -inf but stays at that value here (and
+        logits guided before the head are scattered after it), and softmax gives them probability 0 either way.
         """
         if self.config.draft_vocab == self.config.vocab_size:
             return draft_logits

@@ -108,5 +108,5 @@ class OracleDrafter:
             wrong = predicted % self.wrong_every == self.wrong_every - 1  # (R, T)
             logits = torch.where(wrong[..., None], -logits, logits)
         if logits_at is not None:
-            logits = logits[torch.arange(rows), logits_at][:, None]  # (R, 1, V)
+            logits = logits[torch.arange(rows, device=logits.device), logits_at][:, None]  # (R, 1, V)
         return DraftOutput(logits, hidden)  # raw: the decoder applies CFG

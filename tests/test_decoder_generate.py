@@ -157,33 +157,39 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target):
     assert torch.equal(*runs)
 
 
+@pytest.mark.parametrize("cfg_scale", [None, 1.0], ids=["guided", "unguided"])
 @pytest.mark.parametrize(
     "rule", [ExactRule(), CascadeRule(tau_pos=0.5, tau_seq=0.3, delta=0.3)], ids=["exact", "cascade"]
 )
-def test_a_view_of_the_inner_nodes_decodes_the_same_image(tiny_target, rule, monkeypatch):
+def test_a_view_of_the_inner_nodes_decodes_the_same_image(tiny_target, rule, cfg_scale, monkeypatch):
     """On a static tree the target's head and logits chain run only at nodes with children (and at a leaf that
     ends a walk): for one seed the image must be the one decoded with the target at every node."""
     spec = StaticTreeSpec(MC_SIM_7B_63)
     inner = spec.structure(torch.device("cpu")).inner_nodes
     assert len(inner) == 11 and spec.num_nodes == 26  # what the view saves on the default tree
 
-    last_nodes = []
+    last_nodes, restricted = [], []
+    settings = tiny_target.sampling if cfg_scale is None else dataclasses.replace(tiny_target.sampling, cfg_scale=1.0)
 
-    class LastNodes(DecodeHooks):
+    class Record(DecodeHooks):
         def on_verify(self, tree, view, verdict):
             last_nodes.append(verdict.last_node)
+            restricted.append(view.nodes is not None)
 
     def decode() -> torch.Tensor:
         drafter = OracleDrafter(tiny_target, scale=0.5)
         config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
         generator = torch.Generator().manual_seed(3)
-        return generate_speculative(tiny_target, drafter, PROMPTS, rule, config, generator=generator, hooks=LastNodes())
+        return generate_speculative(tiny_target, drafter, PROMPTS, rule, config, settings, generator, Record()).tokens
 
-    inner_only = decode().tokens
+    inner_only = decode()
+    assert all(restricted)  # the decoder did verify with the inner-node view
     leaf = spec.structure(torch.device("cpu")).inner_row[torch.cat(last_nodes)] < 0
     assert 0 < leaf.sum() < len(leaf)  # some walks end at a leaf, where only at_leaf knows the target
+    restricted.clear()
     monkeypatch.setattr(speculative, "view_nodes", lambda tree, rule: None)
-    assert torch.equal(inner_only, decode().tokens)
+    assert torch.equal(inner_only, decode())
+    assert not any(restricted)
 
 
 def test_every_rule_decodes_every_tree_kind(tiny_target):

@@ -7,6 +7,8 @@ reference (`tests/reference_verify.py`) on random trees of every kind, for every
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from reference_verify import reference_batch
@@ -127,10 +129,15 @@ def test_a_view_of_the_inner_nodes_decides_as_the_view_of_every_node(mode):
     """The decoder's target view covers only a static tree's nodes with children (the head and the logits chain
     run on 11 of the default tree's 26 nodes); verification must decide exactly as with every node's target."""
     vocab, ends_at_leaf = 10, 0
-    leaves = [n for n in range(len(SMALL_TREE) + 1) if n not in StaticTreeSpec(SMALL_TREE).parents]
+    spec = StaticTreeSpec(SMALL_TREE)
+    leaves = [n for n in range(spec.num_nodes) if n not in spec.parents]
     for seed in range(3):
         tree, view = build_case(SMALL_TREE, batch=8, vocab=vocab, sampled=mode == "sampled", seed=seed)
         view.greedy_tokens = view.probs.argmax(-1)
+        if mode == "greedy":  # rows 0-3 draft the target's argmax as every first child: their walks reach leaves
+            for node in range(1, spec.num_nodes):
+                if spec.ranks[node] == 0:
+                    tree.tokens[:4, node] = view.greedy_tokens[:4, spec.parents[node]]
         partial = inner_view(view)
         max_accept = torch.tensor([3, 3, 2, 1, 0, 3, 3, 3])
         for rule in all_rules(vocab, seed):
@@ -148,8 +155,9 @@ def test_a_view_of_the_inner_nodes_decides_as_the_view_of_every_node(mode):
             torch.testing.assert_close(part.accept_prob, full.accept_prob, equal_nan=True)
             torch.testing.assert_close(part.final_probs, full.final_probs)
             ends_at_leaf += sum(int(n) in leaves for n in full.last_node)
-    if mode != "greedy":  # random drafts rarely match the argmax path, so greedy walks stop at the root
-        assert ends_at_leaf > 0  # walks that end at a leaf, where only at_leaf knows the target
+    assert ends_at_leaf > 0  # walks that end at a leaf, where only at_leaf knows the target
+    with pytest.raises(ValueError, match="node_row"):
+        verify(tree, dataclasses.replace(partial, node_row=None), ExactRule(), uniforms)
 
 
 def test_cascade_charges_stay_within_delta_and_zero_budget_is_exact():

@@ -72,6 +72,27 @@ def test_unknown_random_target_is_refused():
         random_target("janus-pro-7b", "huge")  # type: ignore[arg-type]
 
 
+def test_the_tree_forward_runs_the_head_where_the_decoder_does():
+    """With `inner_logits` (the decoder's static trees) the timed tree forward computes logits only at the nodes
+    with children, as `generate_speculative` does; otherwise at every node."""
+    target = random_target("janus-pro-7b", "tiny", device="cpu")
+    parents, depths = synthetic_tree(7, branching=2)  # nodes 0-2 have children
+    asked: list[torch.Tensor | None] = []
+    forward = target.forward
+
+    def recording_forward(tokens, positions, cache, tree_mask=None, return_aux=False, logits_at=None):
+        if tree_mask is not None:
+            asked.append(logits_at)
+        return forward(tokens, positions, cache, tree_mask=tree_mask, return_aux=return_aux, logits_at=logits_at)
+
+    target.forward = recording_forward  # type: ignore[method-assign]
+    for inner in (True, False):
+        asked.clear()
+        measure_target_latency(target, steps=2, warmup=0, tree=(parents, depths), inner_logits=inner)
+        assert len(asked) == 2
+        assert all(a is not None and a.tolist() == [0, 1, 2] for a in asked) if inner else asked == [None, None]
+
+
 @pytest.mark.parametrize("name", sorted(RANDOM_BUILDERS))
 def test_latency_forwards_all_see_the_same_context(name):
     torch.manual_seed(0)
@@ -80,10 +101,10 @@ def test_latency_forwards_all_see_the_same_context(name):
     calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     forward = target.forward
 
-    def recording_forward(tokens, positions, cache, tree_mask=None, return_aux=False):
+    def recording_forward(tokens, positions, cache, tree_mask=None, return_aux=False, logits_at=None):
         seen.append((cache.length, tokens.shape[1], return_aux))
         calls.append((positions, tree_mask))
-        return forward(tokens, positions, cache, tree_mask=tree_mask, return_aux=return_aux)
+        return forward(tokens, positions, cache, tree_mask=tree_mask, return_aux=return_aux, logits_at=logits_at)
 
     target.forward = recording_forward  # type: ignore[method-assign]
     report = measure_target_latency(target, tree_nodes=7, steps=3, warmup=1, branching=2)
