@@ -136,8 +136,9 @@ class EagleDrafter:
         hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
                            from_target=from_target, cache=cache)  # fmt: skip
         cache.advance(tokens.shape[1] if valid is None else valid)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        wanted = hidden if logits_at is None else hidden[rows, logits_at][:, None]  # (R, T', H)
+        wanted = hidden  # (R, T', H)
+        if logits_at is not None:
+            wanted = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][:, None]
         logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale)  # (R or B, T', Vd)
         return DraftOutput(self.model.to_image_vocab(logits).float(), hidden, guided)
 
