@@ -212,8 +212,9 @@ def build_target_view(
         def at_leaf(node: Tensor) -> tuple[Tensor, Tensor]:  # (B,) -> (B, V), (B,)
             hidden = out.hidden.gather(1, to_rows(node, cfg)[:, None, None].expand(-1, 1, out.hidden.shape[-1]))
             leaf_index = None if token_index is None else token_index.gather(1, node[:, None])  # (B, 1)
-            guided, probs = processed_distribution(target.image_head(hidden), settings, cfg, target, leaf_index)
-            return probs.squeeze(1), guided.squeeze(1).argmax(-1)  # over (B, 1, V)
+            leaf_logits = target.image_head(hidden)  # (R, 1, V)
+            leaf_guided, leaf_probs = processed_distribution(leaf_logits, settings, cfg, target, leaf_index)
+            return leaf_probs.squeeze(1), leaf_guided.squeeze(1).argmax(-1)  # over (B, 1, V)
 
     greedy_tokens = guided.argmax(-1) if greedy else None
     return TargetView(probs, greedy_tokens, features, nodes, None if nodes is None else node_row, at_leaf)
