@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     except ValueError as error:
         raise SystemExit(str(error)) from None
     target = load_target(args.target)
+    config = config.for_target(target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
     if args.prompts:

@@ -60,7 +60,7 @@ class SimilarityRecorder(DecodeHooks):
 def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConfig | None = None,
               quantiles: dict[str, float] | None = None, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Decode `prompts`, record the similarities and return the calibration record (thresholds at `quantiles`)."""
-    quantiles = quantiles or DEFAULT_QUANTILES
+    quantiles, config = quantiles or DEFAULT_QUANTILES, (config or DecoderConfig()).for_target(target)
     recorder = SimilarityRecorder()
     rule = CascadeRule(delta=0.0)  # delta 0: exactly the exact rule, with the features computed
     for i, prompt in enumerate(tqdm(prompts, desc="calibrating", leave=False)):
@@ -78,7 +78,7 @@ def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConf
         "parent_similarity": {str(q): float(parent.quantile(q)) for q in levels},
         "pairs": {"sibling": int(sibling.numel()), "parent": int(parent.numel())},
         "prompts": len(prompts),
-        "tree": dataclasses.asdict(config or DecoderConfig()),
+        "tree": dataclasses.asdict(config),
     }
 
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     sections, summaries = [], []
     for kind in trees:
-        config = dataclasses.replace(DecoderConfig(), tree=kind)
+        config = dataclasses.replace(DecoderConfig(), tree=kind).for_target(target)
         started = time.perf_counter()
         tallies, floor = run_methods(methods, rules, prompts, target, drafter, target.sampling, config, args.seed,
                                      repeats=args.repeats)  # fmt: skip

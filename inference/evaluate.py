@@ -236,6 +236,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any] | None:
     except ValueError as error:
         raise SystemExit(str(error)) from None
     target = load_target(args.target, **target_options)
+    config = None if config is None else config.for_target(target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k", "top_p")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
     drafter, rule, drafter_digest = None, None, None

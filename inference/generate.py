@@ -227,9 +227,13 @@ def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     """--drafter, --rule, --rule-arg and the tree options, shared with `inference.bench`."""
     parser.add_argument("--drafter", type=Path, help="drafter folder (config.json + model.safetensors)")
     parser.add_argument(
-        "--tree", choices=TREE_KINDS, help="draft tree kind (default static: mc_sim_7b_63, sampled drafts)"
+        "--tree", choices=TREE_KINDS, help="draft tree kind (default static: the target's tree, sampled drafts)"
     )
-    parser.add_argument("--static-tree", help="static tree list name (default mc_sim_7b_63; also naive_extend_57)")
+    parser.add_argument(
+        "--static-tree",
+        help="static list: a name (default: the target's, toy_demo_fit_10 for the "
+        "toy, else mc_sim_7b_63; also naive_extend_57) or a JSON file from python -m inference.tree_fit",
+    )
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")
     parser.add_argument("--tree-depth", type=int, help="dynamic tree: draft levels (5)")
     parser.add_argument("--tree-total", type=int, help="dynamic tree: nodes kept, root included (60)")
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             rule = build_rule(args.rule or "cascade", target, parse_rule_args(args.rule_arg), args.drafter)
-            config = decoder_config(args)
+            config = decoder_config(args).for_target(target)
         except ValueError as error:
             raise SystemExit(str(error)) from None
         drafter = EagleDrafter.from_pretrained(args.drafter, target)

@@ -46,7 +46,7 @@ from inference.drafter import (
 )
 from inference.rules import CascadeDevRule, CascadeRule, Rule, at_nodes, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import STATIC_TREES, StaticTreeSpec, Tree, tree_positions
+from inference.tree import StaticTreeSpec, Tree, load_static_tree, tree_positions
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
@@ -63,10 +63,12 @@ class DecoderConfig:
     tokens per target forward of "dynamic" and is the fastest, README), "dynamic" (EAGLE-2, deterministic
     top-k drafts) or "dynamic-sampled" (EAGLE-2 expansion, children drawn from q:
     `draft_sampled_dynamic_tree`)."""
-    static_tree: str | tuple[tuple[int, ...], ...] = "mc_sim_7b_63"
-    """A static list's name in `inference.tree.STATIC_TREES`, or the child-index paths themselves. The default,
-    EAGLE's 25-draft list, accepts 95 % of the tokens per target forward of LANTERN's 57-draft
-    `naive_extend_57` on the toy target at under half the cost of a step (README, "Tree kinds")."""
+    static_tree: str | tuple[tuple[int, ...], ...] | None = None
+    """A static list's name in `inference.tree.STATIC_TREES`, a JSON file of paths written by
+    `python -m inference.tree_fit`, or the child-index paths themselves. None: the target's
+    `default_static_tree`, which `for_target` fills in. The real targets default to EAGLE's 25-draft
+    `mc_sim_7b_63`; the toy target to `toy_demo_fit_10`, fitted to the demo drafter on a 2-core CPU, where it
+    runs about 1.2x faster than `mc_sim_7b_63` at a higher tau (README, "Fitting the static tree")."""
     top_k: int = 10
     """Dynamic tree: children per expanded node and frontier width."""
     depth: int = 5
@@ -77,8 +79,8 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         if self.tree not in TREE_KINDS:
             raise ValueError(f"tree must be one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
-        if isinstance(self.static_tree, str) and self.static_tree not in STATIC_TREES:
-            raise ValueError(f"static_tree must be one of {sorted(STATIC_TREES)}, got {self.static_tree!r}")
+        if isinstance(self.static_tree, str):
+            load_static_tree(self.static_tree)  # an unknown name or a bad file fails here, not mid-decode
         if self.top_k < 1 or self.depth < 1:
             raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
         most = 1 + self.top_k + (self.depth - 1) * self.top_k**2
@@ -87,9 +89,17 @@ class DecoderConfig:
                 f"total_tokens must be in 2..{most} for top_k={self.top_k}, depth={self.depth}, got {self.total_tokens}"
             )
 
+    def for_target(self, target: ImageTarget) -> DecoderConfig:
+        """This config with an unset `static_tree` replaced by the target's `default_static_tree`."""
+        if self.static_tree is not None:
+            return self
+        return dataclasses.replace(self, static_tree=target.default_static_tree)
+
     @cached_property
     def spec(self) -> StaticTreeSpec:
-        paths = STATIC_TREES[self.static_tree] if isinstance(self.static_tree, str) else self.static_tree
+        if self.static_tree is None:
+            raise ValueError("static_tree is unset (the target's default): resolve it with config.for_target(target)")
+        paths = load_static_tree(self.static_tree) if isinstance(self.static_tree, str) else self.static_tree
         return StaticTreeSpec(paths)
 
     @property
@@ -333,13 +343,13 @@ def generate_speculative(
         drafter: an EAGLE-style drafter (`inference.drafter.Drafter`).
         prompts: B prompts.
         rule: the verification rule (`inference.verify`).
-        config: the draft tree; default: the static sampled tree mc_sim_7b_63.
+        config: the draft tree; default: the static sampled tree, the target's `default_static_tree`.
         settings: sampling settings, default the target's; temperature 0 = greedy.
         generator: source of all randomness (draws, acceptance tests, bonus tokens).
         hooks: told each phase of every step (timing, op counting) and every verification.
         verifier: `inference.verify.verify`, or its compiled form (`inference.compiled.compile_decoding`).
     """
-    config, settings = config or DecoderConfig(), settings or target.sampling
+    config, settings = (config or DecoderConfig()).for_target(target), settings or target.sampling
     cfg, greedy = settings.cfg_scale != 1.0, settings.temperature == 0
     started = time.perf_counter()
     num_tokens, batch, width_max = target.geometry.num_tokens, len(prompts), config.max_depth + 1

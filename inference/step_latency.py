@@ -237,7 +237,7 @@ def measure_step_latency(
     Args:
         target, drafter: the pair decoded; the drafter's feature source decides the aux streams.
         rules: label -> rule; each gets its own decode run.
-        config: the draft tree (default: the decoder's default, the static mc_sim_7b_63).
+        config: the draft tree (default: the decoder's, the static tree the target names).
         settings: sampling settings (default: the target's); CFG rows follow its scale.
         tau: accepted drafts + 1 per target forward assumed by the projected speedup (None: `DEFAULT_TAU`).
         steps: timed repetitions of each forward and timed decode steps per rule.
@@ -248,7 +248,7 @@ def measure_step_latency(
         drafter_name: how the report names the drafter.
         verifier: `inference.verify.verify` or its compiled form (`inference.compiled.compile_decoding`).
     """
-    config, settings = config or DecoderConfig(), settings or target.sampling
+    config, settings = (config or DecoderConfig()).for_target(target), settings or target.sampling
     if not rules:
         raise ValueError("measure_step_latency needs at least one rule")
     if tau is not None and tau < 1.0:

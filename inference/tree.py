@@ -21,6 +21,7 @@ I inner nodes (nodes with children).
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,7 +46,38 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
     (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
     (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
 )  # fmt: skip
-STATIC_TREES = {"naive_extend_57": NAIVE_EXTEND_57, "mc_sim_7b_63": MC_SIM_7B_63}
+# The toy target's default: 10 drafts, depth 7, fitted to the demo drafter on this project's 2-core CPU by
+# `python -m inference.tree_fit --target toy --drafter runs/demo/version_0/drafter --num-prompts 256
+# --prompt-seed 11 --drafts 10` (README, "Fitting the static tree"): a chain of the first draws, with second
+# draws at the first three levels. On the toy, a node costs more tree forward than a draft level costs drafting.
+TOY_DEMO_FIT_10: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0),
+    (0, 0, 0, 0, 0, 0, 0),
+)  # fmt: skip
+STATIC_TREES = {"naive_extend_57": NAIVE_EXTEND_57, "mc_sim_7b_63": MC_SIM_7B_63, "toy_demo_fit_10": TOY_DEMO_FIT_10}
+
+
+def load_static_tree(source: str) -> tuple[tuple[int, ...], ...]:
+    """A static list's child-index paths: a name in `STATIC_TREES`, or a JSON file whose "paths" field holds
+    them (what `python -m inference.tree_fit --out` writes: {"paths": [[0], [1], [0, 0], ...], ...})."""
+    if source in STATIC_TREES:
+        return STATIC_TREES[source]
+    if not source.endswith(".json"):
+        raise ValueError(f"static tree {source!r} is neither a known list ({', '.join(STATIC_TREES)}) nor a .json file")
+    try:
+        with open(source, encoding="utf-8") as file:
+            record = json.load(file)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"static tree file {source}: {error}; write one with python -m inference.tree_fit") from None
+    paths = record.get("paths") if isinstance(record, dict) else None
+    if not isinstance(paths, list) or not all(
+        isinstance(path, list) and path and all(isinstance(c, int) and c >= 0 for c in path) for path in paths
+    ):
+        raise ValueError(
+            f"static tree file {source}: field 'paths' must be a list of non-empty lists of child indices >= 0, "
+            f"e.g. [[0], [1], [0, 0]]; got {str(paths)[:80]}"
+        )
+    return tuple(tuple(path) for path in paths)
 
 
 @dataclass

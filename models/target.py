@@ -120,6 +120,8 @@ class ImageTarget(ABC):
     family: str
     sampling: SamplingDefaults
     geometry: ImageGeometry
+    default_static_tree: str = "mc_sim_7b_63"
+    """The static draft tree the tree decoder uses unless told otherwise (`inference.tree.STATIC_TREES`)."""
 
     @property
     @abstractmethod

@@ -65,7 +65,7 @@ class DecodeValidation(Callback):
         rules: verification rules to run (`inference.rules.RULES`; built by `inference.generate.build_rule`).
         num_prompts: K held-out prompts per evaluation, split across ranks.
         every_n_validations: run at every n-th validation (0 = off); always after the last training step.
-        tree: "static" (mc_sim_7b_63, sampled drafts: the decoder's default), "dynamic" (EAGLE-2:
+        tree: "static" (the target's default static tree, sampled drafts: the decoder's default), "dynamic" (EAGLE-2:
             top_k, depth, total_tokens, deterministic drafts) or "dynamic-sampled".
         top_k, depth, total_tokens: the dynamic trees.
         seed: fixes prompts and sampling, so evaluations differ only by the drafter.
