@@ -21,7 +21,7 @@ from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.sampling import proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
-from inference.tree import MC_SIM_7B_63, StaticTreeSpec, node_paths
+from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, load_static_tree, node_paths
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
@@ -155,6 +155,25 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target):
         for _ in range(2)
     ]
     assert torch.equal(*runs)
+
+
+def test_the_inner_view_is_chosen_only_where_leaves_are_at_least_half_the_nodes():
+    """The leaf row a walk may need costs more than the rows a tree of few leaves saves."""
+
+    def tree_of(name: str):
+        spec = StaticTreeSpec(load_static_tree(name))
+        structure = spec.structure(torch.device("cpu"))
+        n = spec.num_nodes
+        tree = Tree(tokens=torch.zeros(1, n, dtype=torch.long), parents=structure.parents, depths=structure.depths,
+                    q_cond=torch.ones(1, n), q_full=torch.zeros(1, n, 4), sampled=True, max_depth=spec.max_depth,
+                    max_children=spec.max_children)  # fmt: skip
+        return tree.with_structure(structure)
+
+    mc_sim, fitted = tree_of("mc_sim_7b_63"), tree_of("toy_demo_fit_10")
+    assert speculative.view_nodes(mc_sim, ExactRule()).tolist() == mc_sim.inner_nodes.tolist()  # 11 of 26
+    assert len(mc_sim.inner_nodes) == 11 and len(fitted.inner_nodes) == 9 and fitted.num_nodes == 11
+    assert speculative.view_nodes(fitted, ExactRule()) is None  # 9 of 11: every node
+    assert speculative.view_nodes(mc_sim, CascadeRule(kl_gate=0.5)) is None  # reads leaves
 
 
 @pytest.mark.parametrize("cfg_scale", [None, 1.0], ids=["guided", "unguided"])
