@@ -231,7 +231,7 @@ def add_decoder_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--static-tree",
-        help="static list: a name (default: the target's, toy_demo_fit_10 for the "
+        help="static list: a name (default: the target's, toy_demo_fit_8 for the "
         "toy, else mc_sim_7b_63; also naive_extend_57) or a JSON file from python -m inference.tree_fit",
     )
     parser.add_argument("--tree-top-k", type=int, help="dynamic tree: children per node and frontier width (10)")

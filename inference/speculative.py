@@ -67,8 +67,8 @@ class DecoderConfig:
     """A static list's name in `inference.tree.STATIC_TREES`, a JSON file of paths written by
     `python -m inference.tree_fit`, or the child-index paths themselves. None: the target's
     `default_static_tree`, which `for_target` fills in. The real targets default to EAGLE's 25-draft
-    `mc_sim_7b_63`; the toy target to `toy_demo_fit_10`, fitted to the demo drafter on a 2-core CPU, where it
-    runs about 1.2x faster than `mc_sim_7b_63` at a higher tau (README, "Fitting the static tree")."""
+    `mc_sim_7b_63`; the toy target to `toy_demo_fit_8`, fitted to the demo drafter and timed on a 2-core CPU,
+    where it decodes about 1.2x faster than `mc_sim_7b_63` at the same tau (README, "Fitting the static tree")."""
     top_k: int = 10
     """Dynamic tree: children per expanded node and frontier width."""
     depth: int = 5
@@ -235,7 +235,7 @@ def view_nodes(tree: Tree, rule: Rule) -> Tensor | None:
     half of its nodes (the head, CFG, top-k and softmax then run on 11 of `mc_sim_7b_63`'s 26 nodes), or None
     for every node: dynamic trees, the rules that read the target at leaves (`needs_every_node`), and trees
     of few leaves, where the leaf row a walk may need (`TargetView.at_leaf`) costs more than the rows saved
-    (`toy_demo_fit_10`, 9 inner of 11 nodes: the every-node view decodes 3 % faster on the toy)."""
+    (on the toy, a tree with 9 inner nodes of 11 decodes 3 % faster with every node; its default, 7 of 9, as fast)."""
     inner = tree.inner_nodes
     if needs_every_node(rule) or inner is None or 2 * inner.numel() > tree.num_nodes:
         return None

@@ -169,10 +169,10 @@ def test_the_inner_view_is_chosen_only_where_leaves_are_at_least_half_the_nodes(
                     max_children=spec.max_children)  # fmt: skip
         return tree.with_structure(structure)
 
-    mc_sim, fitted = tree_of("mc_sim_7b_63"), tree_of("toy_demo_fit_10")
+    mc_sim, fitted = tree_of("mc_sim_7b_63"), tree_of("toy_demo_fit_8")
     assert speculative.view_nodes(mc_sim, ExactRule()).tolist() == mc_sim.inner_nodes.tolist()  # 11 of 26
-    assert len(mc_sim.inner_nodes) == 11 and len(fitted.inner_nodes) == 9 and fitted.num_nodes == 11
-    assert speculative.view_nodes(fitted, ExactRule()) is None  # 9 of 11: every node
+    assert len(mc_sim.inner_nodes) == 11 and len(fitted.inner_nodes) == 7 and fitted.num_nodes == 9
+    assert speculative.view_nodes(fitted, ExactRule()) is None  # 7 of 9: every node
     assert speculative.view_nodes(mc_sim, CascadeRule(kl_gate=0.5)) is None  # reads leaves
 
 

@@ -35,7 +35,7 @@ def test_one_command_writes_the_table_the_plot_and_the_records_for_every_tree(dr
         (tree, label) for tree in ("static", "dynamic") for label in ("ar", "exact", "cascade[delta=0.5]")
     ]
     table = (out / "table.md").read_text()
-    assert table.count("### Tree ") == 2 and "### Tree static toy_demo_fit_10 (11 nodes)" in table
+    assert table.count("### Tree ") == 2 and "### Tree static toy_demo_fit_8 (9 nodes)" in table
     assert "python -m inference.decoding_table" in table and "seed 7; settings tuned on seed 3" in table
     assert table.count("| cascade[delta=0.5] | delta 0.5") == 2  # each rule's settings, once per tree
     saved = json.loads((out / "table.json").read_text())

@@ -53,7 +53,7 @@ def test_generate_with_a_drafter_writes_per_image_tau_forwards_and_time(tiny_set
     summary = json.loads((out / "generation.json").read_text())
     assert summary["rule"] == rule and "bonus" in summary["tau_definition"]
     assert summary["speculative"]["tree"] == {
-        "tree": "dynamic", "static_tree": "toy_demo_fit_10", "top_k": 3, "depth": 3, "total_tokens": 10
+        "tree": "dynamic", "static_tree": "toy_demo_fit_8", "top_k": 3, "depth": 3, "total_tokens": 10
     }  # fmt: skip
     if rule == "cascade":
         assert summary["speculative"]["delta"] == 0.3 and summary["speculative"]["pool_beyond_tree"] is True

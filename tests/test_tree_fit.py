@@ -79,11 +79,11 @@ def test_acceptance_frequencies_add_up_to_the_tau_of_the_same_decode(tiny_target
 
 
 def test_the_toy_target_names_its_fitted_default_tree_and_others_keep_eagles(tiny_target):
-    assert DecoderConfig().for_target(tiny_target).static_tree == "toy_demo_fit_10"
+    assert DecoderConfig().for_target(tiny_target).static_tree == "toy_demo_fit_8"
     assert DecoderConfig(static_tree="naive_extend_57").for_target(tiny_target).static_tree == "naive_extend_57"
     assert ImageTarget.default_static_tree == "mc_sim_7b_63" and load_static_tree("mc_sim_7b_63") == MC_SIM_7B_63
     resolved = DecoderConfig().for_target(tiny_target)
-    assert (resolved.num_nodes, resolved.max_depth) == (11, 7)
+    assert (resolved.num_nodes, resolved.max_depth) == (9, 7)
     with pytest.raises(ValueError, match="for_target"):
         _ = DecoderConfig().spec
     result = generate_speculative(tiny_target, OracleDrafter(tiny_target, scale=0.7), PROMPTS[:1], ExactRule(),
