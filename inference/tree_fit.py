@@ -34,16 +34,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from inference.drafter import Drafter
 from inference.rules import Rule
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import StaticTreeSpec, Tree
 from inference.verify import TargetView, Verdict
 from models.target import ImageTarget
 
-Path_ = tuple[int, ...]
+TreePath = tuple[int, ...]  # child indices from the root: (c1, c2) is the c2-th draw of the c1-th draw
 
 
-def candidate_paths(depth: int, budget: int) -> tuple[Path_, ...]:
+def candidate_paths(depth: int, budget: int) -> tuple[TreePath, ...]:
     """Every path of at most `depth` draws whose child indices sum to at most `budget`: depth 7, budget 3 gives
     329 drafts (a chain of first draws 7 deep, and every path that strays from it by up to 3 ranks)."""
     if depth < 1 or budget < 0:
@@ -61,7 +62,7 @@ class PathAcceptance(DecodeHooks):
 
     def __init__(self, spec: StaticTreeSpec) -> None:
         self.spec = spec
-        self.counts: collections.Counter[Path_] = collections.Counter()
+        self.counts: collections.Counter[TreePath] = collections.Counter()
         self.steps = 0
 
     def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
@@ -72,19 +73,19 @@ class PathAcceptance(DecodeHooks):
                 self.counts[self.spec.order[node]] += 1
                 node = self.spec.parents[node]
 
-    def frequencies(self) -> dict[Path_, float]:
+    def frequencies(self) -> dict[TreePath, float]:
         """Every candidate path's share of steps (0.0 for a path never accepted)."""
         return {path: self.counts[path] / max(self.steps, 1) for path in self.spec.order[1:]}
 
 
 def measure_path_acceptance(
     target: ImageTarget,
-    drafter: Any,
+    drafter: Drafter,
     prompts: list[str],
     rule: Rule,
-    candidate: Iterable[Path_],
+    candidate: Iterable[TreePath],
     seed: int = 0,
-) -> tuple[dict[Path_, float], int]:
+) -> tuple[dict[TreePath, float], int]:
     """Decode each prompt alone with the candidate tree -> ({path: acceptance frequency}, verification steps)."""
     spec = StaticTreeSpec(tuple(candidate))
     counter = PathAcceptance(spec)
@@ -96,14 +97,14 @@ def measure_path_acceptance(
 
 
 def fit_static_tree(
-    frequencies: dict[Path_, float], drafts: int, max_depth: int | None = None
-) -> tuple[tuple[Path_, ...], float]:
+    frequencies: dict[TreePath, float], drafts: int, max_depth: int | None = None
+) -> tuple[tuple[TreePath, ...], float]:
     """The `drafts` paths (at most `max_depth` draws deep) with the largest summed frequency among sub-trees that
     hold every path's parent and earlier siblings -> (paths parents-first, expected tau = 1 + their sum)."""
     if drafts < 1:
         raise ValueError(f"a tree needs at least 1 draft, got {drafts}")
     usable = {p: f for p, f in frequencies.items() if max_depth is None or len(p) <= max_depth}
-    chosen: set[Path_] = {()}
+    chosen: set[TreePath] = {()}
     for _ in range(drafts):
         frontier = [p for p in usable if p not in chosen and p[:-1] in chosen
                     and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in chosen)]  # fmt: skip
