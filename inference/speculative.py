@@ -68,7 +68,8 @@ class DecoderConfig:
     `python -m inference.tree_fit`, or the child-index paths themselves. None: the target's
     `default_static_tree`, which `for_target` fills in. The real targets default to EAGLE's 25-draft
     `mc_sim_7b_63`; the toy target to `toy_demo_fit_8`, fitted to the demo drafter and timed on a 2-core CPU,
-    where it decodes about 1.2x faster than `mc_sim_7b_63` at the same tau (README, "Fitting the static tree")."""
+    where it decodes 1.13x (report captions) to 1.27x (tune captions) faster than `mc_sim_7b_63` at about
+    the same tau (README, "Fitting the static tree")."""
     top_k: int = 10
     """Dynamic tree: children per expanded node and frontier width."""
     depth: int = 5
@@ -230,14 +231,20 @@ def build_target_view(
     return TargetView(probs, greedy_tokens, features, nodes, None if nodes is None else node_row, at_leaf)
 
 
+def inner_view_pays(num_inner: int, num_nodes: int) -> bool:
+    """Whether the target's head and logits chain should run only at a static tree's nodes with children: when
+    they are at most half of its nodes (11 of `mc_sim_7b_63`'s 26). With fewer leaves, the leaf row a walk may
+    need (`TargetView.at_leaf`) costs more than the rows saved (on the toy, a tree with 9 inner nodes of 11
+    decodes 3 % faster with every node; its default, 7 of 9, as fast)."""
+    return 2 * num_inner <= num_nodes
+
+
 def view_nodes(tree: Tree, rule: Rule) -> Tensor | None:
-    """The nodes whose target logits verification needs: a static tree's inner nodes when they are at most
-    half of its nodes (the head, CFG, top-k and softmax then run on 11 of `mc_sim_7b_63`'s 26 nodes), or None
-    for every node: dynamic trees, the rules that read the target at leaves (`needs_every_node`), and trees
-    of few leaves, where the leaf row a walk may need (`TargetView.at_leaf`) costs more than the rows saved
-    (on the toy, a tree with 9 inner nodes of 11 decodes 3 % faster with every node; its default, 7 of 9, as fast)."""
+    """The nodes whose target logits verification needs: a static tree's inner nodes where `inner_view_pays`,
+    or None for every node: dynamic trees, the rules that read the target at leaves (`needs_every_node`), and
+    trees of few leaves."""
     inner = tree.inner_nodes
-    if needs_every_node(rule) or inner is None or 2 * inner.numel() > tree.num_nodes:
+    if needs_every_node(rule) or inner is None or not inner_view_pays(inner.numel(), tree.num_nodes):
         return None
     return inner
 

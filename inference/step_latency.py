@@ -14,7 +14,7 @@ projected speedup is
 
 - t(AR step) and the tree forward: `inference.latency.measure_target_latency` at half an image of
   context (the mean over a whole image), the tree forward over the decoder's own tree (the static
-  list's shape, with the head at its nodes with children as the decoder runs it; a dynamic tree's node
+  list's shape, with the head at its nodes with children where the decoder runs it so; a dynamic tree's node
   count), aux streams on for an EAGLE-3 drafter;
 - drafting, target view (CFG, the target's logits chain), rule (`verify`) and bookkeeping (KV commit,
   token append, the step's one host read): the medians over `steps` speculative steps of the decode
@@ -54,7 +54,7 @@ from inference.drafter import Drafter
 from inference.latency import PROMPT, LatencyReport, format_latency, measure_target_latency, synthetic_tree
 from inference.latency import synchronized_clock as clock
 from inference.rules import Rule
-from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative, inner_view_pays
 from inference.tree import Tree
 from inference.verify import TargetView, Verdict, verify
 from models.target import ImageTarget, SamplingDefaults
@@ -256,9 +256,10 @@ def measure_step_latency(
     if steps < 1 or warmup < 0 or prompts < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0 and prompts >= 1; got {steps}, {warmup}, {prompts}")
     cfg = settings.cfg_scale != 1.0
+    inner_logits = config.tree == "static" and inner_view_pays(len(set(config.spec.parents[1:])), config.spec.num_nodes)
     base = measure_target_latency(target, context_tokens=context_tokens, steps=steps, warmup=warmup, prompts=prompts,
                                   cfg=cfg, seed=seed, aux=drafter.feature_source == "aux",
-                                  tree=decoder_tree_shape(config), inner_logits=config.tree == "static")  # fmt: skip
+                                  tree=decoder_tree_shape(config), inner_logits=inner_logits)  # fmt: skip
     timings = []
     for label, rule in rules.items():
         timer = time_decode_steps(target, drafter, rule, config, [PROMPT] * prompts, settings, steps, warmup, seed,
