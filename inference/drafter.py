@@ -37,6 +37,7 @@ from inference.tree import (
     StaticTreeSpec,
     Tree,
     gumbel_topk,
+    select,
     select_dynamic_tree,
     select_sampled_slots,
 )
@@ -222,15 +223,16 @@ def draft_static_tree(
             draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
         else:
             draws, probs = gumbel_topk(level_q, level.width, generator, level_support)  # (B, W_prev, width)
-            q_levels.append(probs.flatten(1)[:, level.draw])
-        level_tokens = draws.flatten(1)[:, level.draw]  # (B, L)
+            q_levels.append(select(probs.flatten(1), level.draw))
+        level_tokens = select(draws.flatten(1), level.draw)  # (B, L)
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
             break
         level_q, level_hidden, level_support = ctx.run_level(
-            level_hidden[:, level.hidden_slot], level_tokens[:, level.expanded_slot], depth, tree_start, level.mask
-        )
-        q_full[:, level.expanded] = level_q
+            select(level_hidden, level.hidden_slot), select(level_tokens, level.expanded_slot), depth, tree_start,
+            level.mask,
+        )  # fmt: skip
+        q_full[:, level.expanded] = level_q  # a slice or an index: the nodes never cover the whole tree
     structure = spec.structure(device)
     q_cond = torch.ones_like(root_q[:, :1]).expand(batch, spec.num_nodes) if greedy else torch.cat(q_levels, dim=1)
     return Tree(

@@ -139,19 +139,35 @@ class TreeStructure:
     inner_row: Tensor  # (N + 1,) int64 each node's position in inner_nodes, -1 for a leaf and at index N (= -1)
 
 
+Selection = Tensor | slice | None  # positions along one dimension: a run is a slice (a view), None is all
+
+
+def select(x: Tensor, positions: Selection, dim: int = 1) -> Tensor:
+    """x's entries at `positions` along `dim` (a `LevelPlan` field): None returns x itself, with no op."""
+    if positions is None:
+        return x
+    return x[(slice(None),) * dim + (positions,)]
+
+
+def selection(positions: list[int], length: int, device: torch.device) -> Selection:
+    """`positions` among `length` as the cheapest index: None when it is every position in order, a slice
+    when it is a contiguous run (a view, no kernel), else an index tensor on `device`."""
+    if positions == list(range(length)):
+        return None
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return slice(positions[0], positions[0] + len(positions))
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
 @dataclass(frozen=True)
 class LevelPlan:
-    """One level of a static tree as index tensors (`StaticTreeSpec.plan`)."""
+    """One level of a static tree as indices (`StaticTreeSpec.plan`); chains of single draws index nothing."""
 
-    nodes: Tensor  # (L,) node indices of the level
-    first: int  # the level's nodes are first .. first + L - 1 (nodes are ordered by depth)
-    draw: Tensor  # (L,) parent_slot * width + rank: each node's draw in the flattened (W_prev * width) draws
-    expanded_slot: Tensor  # (W,) positions of the expanded nodes within the level
-    parent_slot: Tensor  # (L,) each node's parent among the previous level's expanded nodes
-    rank: Tensor  # (L,) which draw of its parent each node takes
+    draw: Selection  # (L,) parent_slot * width + rank: each node's draw in the flattened (W_prev * width) draws
     width: int  # draws per parent
-    expanded: Tensor  # (W,) nodes of this level that have children (the drafter runs on them)
-    hidden_slot: Tensor  # (W,) their parents' slots
+    expanded: Selection  # (W,) nodes of this level that have children (the drafter runs on them), among all N
+    expanded_slot: Selection  # (W,) positions of the expanded nodes within the level
+    hidden_slot: Selection  # (W,) their parents' slots among the previous level's expanded nodes
     mask: Tensor  # (W, J + W) bool: draft columns each expanded node attends to
 
 
@@ -223,19 +239,13 @@ class StaticTreeSpec:
             width = max(self.ranks[n] for n in nodes) + 1
             plans.append(
                 LevelPlan(
-                    nodes=torch.tensor(nodes, device=device),
-                    first=nodes[0],
-                    draw=torch.tensor([slot[self.parents[n]] * width + self.ranks[n] for n in nodes], device=device),
-                    expanded_slot=torch.tensor(
-                        [nodes.index(n) for n in next_expanded], dtype=torch.long, device=device
-                    ),  # fmt: skip
-                    parent_slot=torch.tensor([slot[self.parents[n]] for n in nodes], device=device),
-                    rank=torch.tensor([self.ranks[n] for n in nodes], device=device),
+                    draw=selection(
+                        [slot[self.parents[n]] * width + self.ranks[n] for n in nodes], len(expanded) * width, device
+                    ),
                     width=width,
-                    expanded=torch.tensor(next_expanded, dtype=torch.long, device=device),
-                    hidden_slot=torch.tensor(
-                        [slot[self.parents[n]] for n in next_expanded], dtype=torch.long, device=device
-                    ),  # fmt: skip
+                    expanded=selection(next_expanded, self.num_nodes, device),
+                    expanded_slot=selection([nodes.index(n) for n in next_expanded], len(nodes), device),
+                    hidden_slot=selection([slot[self.parents[n]] for n in next_expanded], len(expanded), device),
                     mask=self.ancestors[next_expanded][:, run_columns].to(device),
                 )
             )
@@ -341,12 +351,13 @@ def gumbel_topk(
     race.clamp_min_(torch.finfo(torch.float32).tiny)
     ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
     tokens = ranked if support is None else support.gather(-1, ranked)
-    return tokens, conditional_draw_probs(q, tokens)
+    picked = weights.gather(-1, ranked)  # (..., k) q of the drawn tokens, in draw order
+    # one draw: nothing drawn before it, so its conditional probability is q itself (no arithmetic to pay for)
+    return tokens, picked if k == 1 else conditional_draw_probs(picked)
 
 
-def conditional_draw_probs(q: Tensor, tokens: Tensor) -> Tensor:
-    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order. q (..., V), tokens (..., k) -> (..., k)."""
-    picked = q.gather(-1, tokens).float()
+def conditional_draw_probs(picked: Tensor) -> Tensor:
+    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order, from picked = q(x_c) (..., k) fp32 -> (..., k)."""
     before = picked.cumsum(-1) - picked
     return (picked / (1 - before).clamp_min(1e-12)).clamp(0, 1)
 

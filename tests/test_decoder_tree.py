@@ -15,7 +15,9 @@ from inference.tree import (
     gumbel_topk,
     leaf_paths,
     node_paths,
+    select,
     select_dynamic_tree,
+    selection,
 )
 
 
@@ -139,3 +141,23 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     # fewer candidates than draws: the race falls back to the whole vocabulary
     tokens, _ = gumbel_topk(q[None], 6, torch.Generator().manual_seed(2), support[None, :3])
     assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6}
+
+
+def test_a_level_selection_is_the_cheapest_index_that_takes_the_same_entries():
+    x = torch.arange(2 * 6).view(2, 6)
+    for positions in ([0, 1, 2, 3, 4, 5], [2, 3], [4], [0, 2, 5], [3, 1], []):
+        chosen = selection(positions, 6, x.device)
+        assert torch.equal(select(x, chosen), x[:, torch.tensor(positions, dtype=torch.long)])
+    assert selection([0, 1, 2, 3, 4, 5], 6, x.device) is None  # every position in order: x itself
+    assert selection([2, 3], 6, x.device) == slice(2, 4)  # a run: a view
+    assert isinstance(selection([3, 1], 6, x.device), torch.Tensor)
+
+
+def test_a_chain_of_single_draws_plans_no_index_tensors():
+    chain = StaticTreeSpec(((0,), (0, 0), (0, 0, 0), (1,)))  # the root draws 2, then a chain of first draws
+    levels = chain.plan(torch.device("cpu"))
+    assert [level.width for level in levels] == [2, 1, 1]
+    assert levels[0].expanded_slot == slice(0, 1) and levels[0].hidden_slot is None and levels[0].draw is None
+    assert all(
+        level.draw is None and level.hidden_slot is None and level.expanded_slot is None for level in levels[1:2]
+    )
