@@ -77,6 +77,7 @@ class Drafter(Protocol):
         tree_mask: Tensor | None = None,
         logits_at: Tensor | None = None,
         cfg_scale: float | None = None,
+        attention_mask: Tensor | None = None,
     ) -> DraftOutput:
         """Run T (feature, token) pairs, appending them to `cache`.
 
@@ -92,6 +93,9 @@ class Drafter(Protocol):
             cfg_scale: the CFG scale of [cond; uncond] rows. A drafter whose head is linear may combine
                 the rows before it (half the rows through the head) and return `guided` logits (B, T', V);
                 otherwise it ignores it and the decoder applies CFG.
+            attention_mask: (R, T, cache.length + T) bool, the whole mask that `tree_start` and `tree_mask`
+                describe (`tree_attention_mask`), when the decoder has it: a static tree's is built once
+                per tree and each level passes a slice. A drafter may use it instead of building its own.
         """
 
 
@@ -153,26 +157,38 @@ class DraftContext:
         self.level_positions = to_rows(self.target.image_positions(index), self.cfg)  # (R, D + 2)
 
     def run_level(
-        self, parent_hidden: Tensor, tokens: Tensor, depth: int, tree_start: int, tree_mask: Tensor
+        self,
+        parent_hidden: Tensor,
+        tokens: Tensor,
+        depth: int,
+        tree_start: int,
+        tree_mask: Tensor,
+        attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
-        tree_mask (B, W, J + W), or (W, J + W) shared by every row -> q (B, W, V), hidden (R, W, D),
-        q's top-k support (B, W, k) or None (`inference.sampling.proposal_distribution`)."""
+        tree_mask (W, J + W) shared by every row, (B, W, J + W) per prompt or (R, W, J + W) per row,
+        attention_mask (R, W, S) or None (`Drafter.forward`) -> q (B, W, V), hidden (R, W, D), q's top-k
+        support (B, W, k) or None (`inference.sampling.proposal_distribution`)."""
         rows, width = parent_hidden.shape[:2]
-        shared = tree_mask.dim() == 2
+        if tree_mask.dim() == 2:
+            tree_mask = tree_mask.expand(rows, -1, -1)
+        elif tree_mask.shape[0] != rows:
+            tree_mask = to_rows(tree_mask, self.cfg)
+        positions = self.level_positions[:, depth : depth + 1]  # (R, 1): one level, one position
+        predicted = self.level_index[:, depth + 1 : depth + 2]  # (B, 1)
         out = self.drafter.forward(
             parent_hidden,
             to_rows(tokens, self.cfg),
-            self.level_positions[:, depth : depth + 1].expand(rows, width),
+            positions if width == 1 else positions.expand(rows, width),
             self.cache,
             from_target=False,
             tree_start=tree_start,
-            tree_mask=tree_mask.expand(rows, -1, -1) if shared else to_rows(tree_mask, self.cfg),
+            tree_mask=tree_mask,
             cfg_scale=self.cfg_scale,
+            attention_mask=attention_mask,
         )
         self.forwards += 1
-        predicted = self.level_index[:, depth + 1 : depth + 2].expand(tokens.shape)
-        q, support = self.proposal(out, predicted)
+        q, support = self.proposal(out, predicted if width == 1 else predicted.expand(tokens.shape))
         return q, out.hidden, support
 
     @property
@@ -218,6 +234,13 @@ def draft_static_tree(
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
     level_support = None if root_support is None else root_support[:, None]
     tree_start = ctx.cache.length
+    # the drafter's whole mask for this tree, built once: the committed columns' validity, then the inner
+    # nodes' ancestor-or-self mask; each level passes its rows' slice (views, no mask built per level)
+    run_mask = spec.run_mask(device)  # (M, M)
+    rows, drafted = ctx.cache.rows, run_mask.shape[0]
+    attention = torch.cat(
+        [ctx.cache.column_valid[:, None, :tree_start].expand(rows, drafted, -1), run_mask.expand(rows, -1, -1)], dim=-1
+    )  # (R, M, tree_start + M)
     for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
             draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
@@ -229,9 +252,13 @@ def draft_static_tree(
         if depth == spec.max_depth:
             break
         level_q, level_hidden, level_support = ctx.run_level(
-            select(level_hidden, level.hidden_slot), select(level_tokens, level.expanded_slot), depth, tree_start,
-            level.mask,
-        )  # fmt: skip
+            select(level_hidden, level.hidden_slot),
+            select(level_tokens, level.expanded_slot),
+            depth,
+            tree_start,
+            (level_mask := attention[:, level.run_rows, : tree_start + level.run_rows.stop])[..., tree_start:],
+            level_mask,
+        )
         q_full[:, level.expanded] = level_q  # a slice or an index: the nodes never cover the whole tree
     structure = spec.structure(device)
     q_cond = torch.ones_like(root_q[:, :1]).expand(batch, spec.num_nodes) if greedy else torch.cat(q_levels, dim=1)

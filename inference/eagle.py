@@ -126,8 +126,11 @@ class EagleDrafter:
         tree_mask: Tensor | None = None,
         logits_at: Tensor | None = None,
         cfg_scale: float | None = None,
+        attention_mask: Tensor | None = None,
     ) -> DraftOutput:
-        if valid is None and tree_mask is not None and tree_start is not None:  # a tree level: all nodes valid
+        if attention_mask is not None:  # built by the decoder (a static tree's level)
+            mask = attention_mask
+        elif valid is None and tree_mask is not None and tree_start is not None:  # a tree level: all nodes valid
             mask = tree_attention_mask(cache, tree_start, tree_mask)  # (R, T, S)
         else:
             if valid is None:

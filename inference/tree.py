@@ -168,7 +168,7 @@ class LevelPlan:
     expanded: Selection  # (W,) nodes of this level that have children (the drafter runs on them), among all N
     expanded_slot: Selection  # (W,) positions of the expanded nodes within the level
     hidden_slot: Selection  # (W,) their parents' slots among the previous level's expanded nodes
-    mask: Tensor  # (W, J + W) bool: draft columns each expanded node attends to
+    run_rows: slice  # J .. J + W: the expanded nodes' rows and draft columns in `StaticTreeSpec.run_mask`
 
 
 @dataclass(frozen=True)
@@ -230,27 +230,35 @@ class StaticTreeSpec:
     def plan(self, device: torch.device) -> list[LevelPlan]:
         """Index tensors of every level on `device`, built once, so drafting makes no host lists per step."""
         plans: list[LevelPlan] = []
-        expanded, run_columns = [0], list[int]()
+        expanded, drafted = [0], 0  # drafted: draft columns written by the levels before
         for depth in range(1, self.max_depth + 1):
             nodes = self.level(depth)
             slot = {node: i for i, node in enumerate(expanded)}
             next_expanded = self.expanded(depth) if depth < self.max_depth else []
-            run_columns = run_columns + next_expanded
             width = max(self.ranks[n] for n in nodes) + 1
             plans.append(
                 LevelPlan(
                     draw=selection(
                         [slot[self.parents[n]] * width + self.ranks[n] for n in nodes], len(expanded) * width, device
-                    ),
+                    ),  # fmt: skip
                     width=width,
                     expanded=selection(next_expanded, self.num_nodes, device),
                     expanded_slot=selection([nodes.index(n) for n in next_expanded], len(nodes), device),
                     hidden_slot=selection([slot[self.parents[n]] for n in next_expanded], len(expanded), device),
-                    mask=self.ancestors[next_expanded][:, run_columns].to(device),
+                    run_rows=slice(drafted, drafted + len(next_expanded)),
                 )
             )
+            drafted += len(next_expanded)
             expanded = next_expanded
         return plans
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
+    def run_mask(self, device: torch.device) -> Tensor:
+        """(M, M) bool ancestor-or-self mask of the M inner nodes but the root, in drafting order (level by level):
+        the drafter's attention over its own draft columns. Level d's rows are `plan(device)[d - 1].run_rows`,
+        and it sees the columns up to their end."""
+        drafted = [n for depth in range(1, self.max_depth) for n in self.expanded(depth)]
+        return self.ancestors[drafted][:, drafted].to(device)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices
     def structure(self, device: torch.device) -> TreeStructure:

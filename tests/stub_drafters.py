@@ -37,6 +37,7 @@ class FixedLogitsDrafter:
         tree_mask: Tensor | None = None,
         logits_at: Tensor | None = None,
         cfg_scale: float | None = None,
+        attention_mask: Tensor | None = None,
     ) -> DraftOutput:
         rows, length = tokens.shape
         cache.advance(valid if valid is not None else torch.ones_like(tokens, dtype=torch.bool))
@@ -81,6 +82,7 @@ class OracleDrafter:
         tree_mask: Tensor | None = None,
         logits_at: Tensor | None = None,
         cfg_scale: float | None = None,
+        attention_mask: Tensor | None = None,
     ) -> DraftOutput:
         rows, length = tokens.shape
         if tree_start is None:

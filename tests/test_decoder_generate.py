@@ -311,6 +311,34 @@ def test_draft_attention_mask_combines_context_validity_and_the_tree():
     assert torch.equal(mask, expected)
 
 
+def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the_committed_columns(tiny_target):
+    spec = StaticTreeSpec(MC_SIM_7B_63)  # levels of several expanded nodes, some of them not first draws
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    forward, checked = drafter.forward, []
+
+    def checking_forward(features, tokens, positions, cache, **kwargs):
+        if kwargs.get("attention_mask") is not None:
+            tree_start = kwargs["tree_start"]
+            depth = 1 if cache.length == tree_start else depth_of[-1] + 1
+            depth_of.append(depth)
+            drafted = [n for d in range(1, depth + 1) for n in spec.expanded(d)]  # draft columns so far
+            ancestors = spec.ancestors[spec.expanded(depth)][:, drafted]  # (W, J + W) from the spec itself
+            context = cache.column_valid[:, None, :tree_start].expand(-1, len(spec.expanded(depth)), -1)
+            expected = torch.cat([context, ancestors.expand(cache.rows, -1, -1)], dim=-1)  # (R, W, S)
+            checked.append(
+                torch.equal(kwargs["attention_mask"], expected)
+                and torch.equal(kwargs["tree_mask"], expected[..., tree_start:])
+            )
+        return forward(features, tokens, positions, cache, **kwargs)
+
+    depth_of: list[int] = []
+    drafter.forward = checking_forward  # type: ignore[method-assign]
+    config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
+    generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
+    assert len(checked) >= spec.max_depth - 1 and all(checked)  # every level of every tree got its own mask
+    assert max(depth_of) == spec.max_depth - 1
+
+
 class _RowSplitDrafter(OracleDrafter):
     """The oracle for prompt 0 (its images finish in a few steps), the always-wrong drafter for the others."""
 
