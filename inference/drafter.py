@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from inference.sampling import proposal_distribution
+from inference.sampling import Proposal, proposal_distribution
 from inference.tree import (
     StaticTreeSpec,
     Tree,
@@ -164,11 +164,10 @@ class DraftContext:
         tree_start: int,
         tree_mask: Tensor,
         attention_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Proposal, Tensor]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
         tree_mask (W, J + W) shared by every row, (B, W, J + W) per prompt or (R, W, J + W) per row,
-        attention_mask (R, W, S) or None (`Drafter.forward`) -> q (B, W, V), hidden (R, W, D), q's top-k
-        support (B, W, k) or None (`inference.sampling.proposal_distribution`)."""
+        attention_mask (R, W, S) or None (`Drafter.forward`) -> q (B, W, V) as a `Proposal`, hidden (R, W, D)."""
         rows, width = parent_hidden.shape[:2]
         if tree_mask.dim() == 2:
             tree_mask = tree_mask.expand(rows, -1, -1)
@@ -188,16 +187,15 @@ class DraftContext:
             attention_mask=attention_mask,
         )
         self.forwards += 1
-        q, support = self.proposal(out, predicted if width == 1 else predicted.expand(tokens.shape))
-        return q, out.hidden, support
+        return self.proposal(out, predicted if width == 1 else predicted.expand(tokens.shape)), out.hidden
 
     @property
     def cfg_scale(self) -> float | None:
         """The guidance a drafter may apply before its head (`Drafter.forward`), None without CFG."""
         return self.settings.cfg_scale if self.cfg else None
 
-    def proposal(self, out: DraftOutput, predicted: Tensor) -> tuple[Tensor, Tensor | None]:
-        """q (B, T, V) and its top-k support from a drafter output, guided by the drafter or here."""
+    def proposal(self, out: DraftOutput, predicted: Tensor) -> Proposal:
+        """q (B, T, V) from a drafter output, guided by the drafter or here (under top-k: on its support)."""
         return proposal_distribution(out.logits, self.settings, self.cfg and not out.guided, self.target, predicted)
 
 
@@ -205,34 +203,30 @@ def draft_static_tree(
     ctx: DraftContext,
     spec: StaticTreeSpec,
     root_token: Tensor,
-    root_q: Tensor,
+    root_q: Proposal,
     root_hidden: Tensor,
     greedy: bool,
     generator: torch.Generator | None,
-    root_support: Tensor | None = None,
 ) -> Tree:
     """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
 
     Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
     rank order (deterministic drafts, q_cond = 1). One drafter call per level with children; each
     level's nodes are contiguous, so its tokens and draw probabilities are gathered once and
-    concatenated at the end.
+    concatenated at the end, and q over the vocabulary is written once for every inner node.
 
     Args:
-        root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
-        root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
-        root_q's mass (`proposal_distribution`), or None.
+        root_token: (B,); root_q: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
     """
-    batch, vocab = root_q.shape
-    device = root_q.device
-    if spec.max_children > vocab:
+    batch, device = root_token.shape[0], root_token.device
+    vocab = root_q.vocab_size if root_q.support is not None else root_q.probs.shape[-1]
+    if vocab is None or spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
     token_levels = [root_token[:, None]]  # per level (B, L)
-    q_levels = [torch.ones_like(root_q[:, :1])]  # per level (B, L): conditional draw probabilities
-    q_full = root_q.new_zeros(batch, spec.num_nodes, vocab)
-    q_full[:, 0] = root_q
+    q_levels = [torch.ones(batch, 1, device=device)]  # per level (B, L): conditional draw probabilities
+    inner_q = [root_q[:, None]]  # q of every node the drafter ran on, in node order: (B, W, k) per level
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
-    level_support = None if root_support is None else root_support[:, None]
     tree_start = ctx.cache.length
     # the drafter's whole mask for this tree, built once: the committed columns' validity, then the inner
     # nodes' ancestor-or-self mask; each level passes its rows' slice (views, no mask built per level)
@@ -243,15 +237,15 @@ def draft_static_tree(
     )  # (R, M, tree_start + M)
     for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
-            draws = level_q.topk(level.width, dim=-1).indices  # (B, W_prev, width), q_cond stays 1
+            draws = level_q.ranked(level.width)  # (B, W_prev, width), q_cond stays 1
         else:
-            draws, probs = gumbel_topk(level_q, level.width, generator, level_support)  # (B, W_prev, width)
+            draws, probs = gumbel_topk(level_q, level.width, generator)  # (B, W_prev, width)
             q_levels.append(select(probs.flatten(1), level.draw))
         level_tokens = select(draws.flatten(1), level.draw)  # (B, L)
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
             break
-        level_q, level_hidden, level_support = ctx.run_level(
+        level_q, level_hidden = ctx.run_level(
             select(level_hidden, level.hidden_slot),
             select(level_tokens, level.expanded_slot),
             depth,
@@ -259,19 +253,32 @@ def draft_static_tree(
             (level_mask := attention[:, level.run_rows, : tree_start + level.run_rows.stop])[..., tree_start:],
             level_mask,
         )
-        q_full[:, level.expanded] = level_q  # a slice or an index: the nodes never cover the whole tree
+        inner_q.append(level_q)
     structure = spec.structure(device)
-    q_cond = torch.ones_like(root_q[:, :1]).expand(batch, spec.num_nodes) if greedy else torch.cat(q_levels, dim=1)
+    q_cond = torch.ones(batch, spec.num_nodes, device=device) if greedy else torch.cat(q_levels, dim=1)
     return Tree(
         torch.cat(token_levels, dim=1),
         structure.parents.expand(batch, -1),
         structure.depths.expand(batch, -1),
         q_cond,
-        q_full,
+        _q_over_nodes(inner_q, structure.inner_nodes, spec.num_nodes, vocab),
         sampled=not greedy,
         max_depth=spec.max_depth,
         max_children=spec.max_children,
     ).with_structure(structure)
+
+
+def _q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
+    """q over the vocabulary at every node, (B, N, V): each inner node's (`inner_q`, per level (B, W, .),
+    node order, `inner_nodes` (I,) ascending), zero at the leaves. Under top-k one scatter writes them all."""
+    probs = torch.cat([q.probs for q in inner_q], dim=1)  # (B, I, k) or (B, I, V)
+    batch = probs.shape[0]
+    if all(q.support is not None for q in inner_q):
+        support = torch.cat([q.support for q in inner_q if q.support is not None], dim=1)  # (B, I, k)
+        flat = (inner_nodes[:, None] * vocab + support).flatten(1)  # (B, I k) positions in the (N V) rows
+        return probs.new_zeros(batch, num_nodes * vocab).scatter_(1, flat, probs.flatten(1)).view(batch, num_nodes, -1)
+    dense = torch.cat([q.dense() for q in inner_q], dim=1)  # (B, I, V)
+    return dense.new_zeros(batch, num_nodes, vocab).index_copy_(1, inner_nodes, dense)
 
 
 def draft_dynamic_tree(
@@ -310,7 +317,8 @@ def draft_dynamic_tree(
     for level in range(1, depth):
         rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
         mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
-        q, prev_hidden, _ = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
+        proposal, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
+        q = proposal.dense()  # (B, K, V)
         anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
         q_store.append(q)
         cand_store.scatter_(1, frontier, 1 + (level - 1) * k + torch.arange(k, device=device).expand(batch, -1))
@@ -357,14 +365,13 @@ def draft_dynamic_tree(
 def draft_sampled_dynamic_tree(
     ctx: DraftContext,
     root_token: Tensor,
-    root_q: Tensor,
+    root: Proposal,
     root_hidden: Tensor,
     top_k: int,
     depth: int,
     total_tokens: int,
     greedy: bool,
     generator: torch.Generator | None,
-    root_support: Tensor | None = None,
 ) -> Tree:
     """Draft a sampled dynamic tree: EAGLE-2's expansion by cumulative log q, children drawn from q.
 
@@ -375,10 +382,10 @@ def draft_sampled_dynamic_tree(
     losslessly. Greedy settings take q's top ranks instead (deterministic drafts). depth - 1 drafter calls.
 
     Args:
-        root_token: (B,); root_q: (B, V) processed drafter distribution at the root;
-        root_hidden: (R, D) the drafter's hidden at the root; root_support: (B, k) token ids holding
-        root_q's mass (`proposal_distribution`), or None.
+        root_token: (B,); root: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
     """
+    root_q = root.dense()  # (B, V)
     batch, vocab = root_q.shape
     device = root_q.device
     k = top_k
@@ -389,8 +396,8 @@ def draft_sampled_dynamic_tree(
         raise ValueError(f"total_tokens={total_tokens} gives no node per level for depth {depth}")
     tokens, parents, q_conds, q_levels = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)], [], []
     q_cond_root = torch.ones(batch, 1, device=device)
-    level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # (B, M, V), (R, M, D) of the current level
-    level_support = None if root_support is None else root_support[:, None]  # (B, M, k) or None
+    level_proposal, level_hidden = root[:, None], root_hidden[:, None]  # (B, M, .) q, (R, M, D) of this level
+    level_q = root_q[:, None]  # (B, M, V)
     level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
     anc = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # (B, M, J) draft-column ancestry
     offset, tree_start = 0, ctx.cache.length
@@ -401,7 +408,7 @@ def draft_sampled_dynamic_tree(
         if greedy:
             draws, cond = ranked, torch.ones_like(sorted_q)
         else:
-            draws, cond = gumbel_topk(level_q, k, generator, level_support)  # (B, M, K) in draw order
+            draws, cond = gumbel_topk(level_proposal, k, generator)  # (B, M, K) in draw order
         chosen = torch.arange(k, device=device) < count[..., None]  # (B, M, K) a prefix per node
         picked = (~chosen).flatten(1).float().argsort(dim=-1, stable=True)[:, :level_width]
         parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
@@ -422,9 +429,10 @@ def draft_sampled_dynamic_tree(
             dim=2,
         )
         rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])
-        level_q, level_hidden, level_support = ctx.run_level(
+        level_proposal, level_hidden = ctx.run_level(
             level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask
         )
+        level_q = level_proposal.dense()  # (B, W, V)
         q_levels.append(level_q)
         anc = mask
     all_tokens = torch.cat(tokens, 1)

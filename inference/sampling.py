@@ -12,6 +12,9 @@ Shapes: R rows = 2B with CFG ([cond; uncond] halves), B prompts, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -34,30 +37,28 @@ def guided_logits(logits: Tensor, settings: SamplingDefaults, cfg: bool) -> Tens
 
 def filter_logits(logits: Tensor, settings: SamplingDefaults) -> Tensor:
     """Temperature, then top-k, then top-p; removed tokens get -inf. Greedy (T = 0) keeps logits unscaled."""
-    return _filter(logits, settings, exact_top_k=False)[0]
-
-
-def _filter(logits: Tensor, settings: SamplingDefaults, exact_top_k: bool) -> tuple[Tensor, Tensor | None]:
-    """`filter_logits`, and with `exact_top_k` the top-k keeps exactly k tokens (a tie at the k-th value is
-    broken by `topk`) and returns their indices (..., k), a support that holds every token left; else None."""
-    if settings.temperature > 0 and settings.temperature != 1.0:  # x / 1 is x: no op to pay for
-        logits = logits / settings.temperature
-    support = None
+    logits = _temperature(logits, settings)
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
         # unsorted: the k largest in any order, a quarter faster on CPU than sorting them
-        values, indices = logits.topk(settings.top_k, dim=-1, sorted=False)
-        if exact_top_k:
-            support = indices
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, support, values)
-        else:
-            logits = logits.masked_fill(logits < values.amin(-1, keepdim=True), float("-inf"))
-    if settings.top_p is not None and settings.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= settings.top_p  # keep the token that crosses top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits, support
+        values = logits.topk(settings.top_k, dim=-1, sorted=False).values
+        logits = logits.masked_fill(logits < values.amin(-1, keepdim=True), float("-inf"))
+    return _top_p(logits, settings)
+
+
+def _temperature(logits: Tensor, settings: SamplingDefaults) -> Tensor:
+    """Logits over the temperature; greedy (T = 0) and T = 1 leave them as they are (no op to pay for)."""
+    return logits / settings.temperature if settings.temperature > 0 and settings.temperature != 1.0 else logits
+
+
+def _top_p(logits: Tensor, settings: SamplingDefaults) -> Tensor:
+    """-inf on the tokens past the top-p nucleus (the token that crosses top_p is kept). (..., V) -> (..., V)."""
+    if settings.top_p is None or settings.top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative - sorted_logits.softmax(-1) >= settings.top_p  # keep the token that crosses top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def sampling_probabilities(logits: Tensor, settings: SamplingDefaults) -> Tensor:
@@ -88,23 +89,60 @@ def processed_distribution(
     return guided, filter_logits(guided, settings).softmax(-1)
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A drafter's processed distribution q (`proposal_distribution`).
+
+    Under top-k, q lives on k tokens: `probs` (..., k) are their probabilities and `support` (..., k)
+    their ids, so drawing and storing it costs k entries, not V. Without top-k, `probs` is q over the
+    whole vocabulary (..., V) and `support` is None.
+    """
+
+    probs: Tensor  # (..., k) on the support, or (..., V)
+    support: Tensor | None = None  # (..., k) int64 token ids, or None
+    vocab_size: int | None = None  # V; needed with a support
+
+    def __getitem__(self, index: Any) -> Proposal:
+        """The same entries of `probs` and `support` (an index over the leading dimensions)."""
+        support = None if self.support is None else self.support[index]
+        return Proposal(self.probs[index], support, self.vocab_size)
+
+    def dense(self) -> Tensor:
+        """q over the vocabulary, (..., V): zero outside the support."""
+        if self.support is None:
+            return self.probs
+        if self.vocab_size is None:
+            raise ValueError("a Proposal with a support needs its vocab_size to give q over the vocabulary")
+        return self.probs.new_zeros(*self.probs.shape[:-1], self.vocab_size).scatter_(-1, self.support, self.probs)
+
+    def ranked(self, k: int) -> Tensor:
+        """The k likeliest tokens, likeliest first (greedy drafting). -> (..., k) int64."""
+        if self.support is None or self.support.shape[-1] < k:
+            return self.dense().topk(k, dim=-1).indices
+        return self.support.gather(-1, self.probs.topk(k, dim=-1).indices)
+
+
 def proposal_distribution(
     logits: Tensor,
     settings: SamplingDefaults,
     cfg: bool,
     target: ImageTarget | None = None,
     token_index: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """The target's processing applied to drafter logits: (R, ..., V) -> q (B, ..., V), and under top-k the
-    support (B, ..., k), the ids of the tokens q keeps.
+) -> Proposal:
+    """The target's processing applied to drafter logits: (R, ..., V) -> q (B, ..., V) as a `Proposal`:
+    under top-k its probabilities on the support (B, ..., k), the ids of the tokens q keeps.
 
     `processed_distribution`'s chain, except that the top-k keeps exactly k tokens (the target's filter
-    keeps ties at the k-th logit too), so q is zero outside `support` and a sampled draft needs
-    randomness for k tokens, not V. Greedy settings (temperature 0) keep the logits unscaled, so q
-    still ranks the candidates.
+    keeps ties at the k-th logit too; `topk` breaks them), so q is zero outside the support, and q is
+    only ever made dense where verification needs it. Greedy settings (temperature 0) keep the logits
+    unscaled, so q still ranks the candidates.
     """
-    filtered, support = _filter(_guided(logits, settings, cfg, target, token_index), settings, exact_top_k=True)
-    return filtered.softmax(-1), support
+    guided = _guided(logits, settings, cfg, target, token_index)
+    vocab_size = guided.shape[-1]
+    if settings.top_k is None or settings.top_k >= vocab_size:
+        return Proposal(filter_logits(guided, settings).softmax(-1), None, vocab_size)
+    values, support = _temperature(guided, settings).topk(settings.top_k, dim=-1, sorted=False)  # (B, ..., k)
+    return Proposal(_top_p(values, settings).softmax(-1), support, vocab_size)
 
 
 def _guided(

@@ -280,13 +280,11 @@ def _draft(
         picked = last[: out.logits.shape[0]]  # guided logits have B rows, the first B of R share their element
         out = dataclasses.replace(out, logits=out.logits[rows[: len(picked)], picked][:, None])
     predicted = (ctx.root_index + 1).clamp_max(ctx.target.geometry.num_tokens - 1)[:, None]  # (B, 1)
-    root_q, root_support = ctx.proposal(out, predicted)  # (B, 1, V), (B, 1, k)
-    root_q = root_q[:, 0]  # (B, V)
-    root_support = None if root_support is None else root_support[:, 0]  # (B, k)
+    root_q = ctx.proposal(out, predicted)[:, 0]  # (B, V), under top-k on its support (B, k)
     root_hidden = out.hidden[rows, last]  # (R, D)
     tree_start = ctx.cache.length
     if config.tree == "static":
-        tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator, root_support)
+        tree = draft_static_tree(ctx, config.spec, root_token, root_q, root_hidden, greedy, generator)
     elif config.tree == "dynamic-sampled":
         tree = draft_sampled_dynamic_tree(
             ctx,
@@ -298,10 +296,11 @@ def _draft(
             config.total_tokens,
             greedy,
             generator,
-            root_support,
         )
     else:
-        tree = draft_dynamic_tree(ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens)
+        tree = draft_dynamic_tree(
+            ctx, root_token, root_q.dense(), root_hidden, config.top_k, config.depth, config.total_tokens
+        )
     ctx.cache.truncate(tree_start)  # draft columns are recomputed from target features next step
     return tree
 

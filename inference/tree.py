@@ -28,6 +28,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from inference.sampling import Proposal
+
 # LANTERN's default static tree (jadohu/LANTERN models/drafters/choices.py; cascade.md §2.3): 57 draft
 # nodes, depth 5, level sizes 5/13/16/14/9. A path [c1, c2, ...] is the c2-th child of the c1-th child.
 NAIVE_EXTEND_57: tuple[tuple[int, ...], ...] = (
@@ -336,26 +338,24 @@ def tree_positions(depths: Tensor, root_index: Tensor) -> Tensor:
     return root_index[:, None] + depths
 
 
-def gumbel_topk(
-    q: Tensor, k: int, generator: torch.Generator | None, support: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
 
     Args:
-        q: (..., V) probabilities.
-        support: (..., S) token ids that hold every token with q > 0 (`inference.sampling.proposal_distribution`
-            under top-k): the race then runs over S tokens instead of V, with the same distribution.
+        q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
+            then runs over S tokens instead of V, with the same distribution (q is 0 elsewhere).
     Returns:
         tokens (..., k) int64 and their conditional draw probabilities
         q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
         Tokens with q = 0 come last and get probability 0.
     """
+    weights, support = q.probs, q.support  # (..., S) or (..., V)
     if support is not None and support.shape[-1] < k:
-        support = None  # fewer candidates than draws: race over the whole vocabulary
-    weights = (q if support is None else q.gather(-1, support)).float()  # (..., V) or (..., S)
+        weights, support = q.dense(), None  # fewer candidates than draws: race over the whole vocabulary
+    weights = weights.float()
     # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last; the
     # clamp keeps a zero draw (if a device's sampler ever returns one) from making 0 / 0 = NaN rank first.
-    race = torch.empty(weights.shape, device=q.device, dtype=torch.float32).exponential_(generator=generator)
+    race = torch.empty(weights.shape, device=weights.device, dtype=torch.float32).exponential_(generator=generator)
     race.clamp_min_(torch.finfo(torch.float32).tiny)
     ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
     tokens = ranked if support is None else support.gather(-1, ranked)

@@ -452,7 +452,8 @@ def test_a_reduced_vocabulary_drafter_proposes_only_its_tokens_under_guidance(ti
     tokens = image_ids[torch.randint(0, 20, (1, 3), generator=generator)].expand(2, -1)
     positions = tiny_target.image_positions(torch.arange(3)).expand(2, -1)
     out = drafter.forward(features, tokens, positions, drafter.allocate_cache(2, 8), from_target=True)
-    q, support = proposal_distribution(out.logits, tiny_target.sampling, cfg=True)  # (1, 3, V)
+    proposal = proposal_distribution(out.logits, tiny_target.sampling, cfg=True)
+    q, support = proposal.dense(), proposal.support  # (1, 3, V), (1, 3, k)
     assert torch.isfinite(q).all()
     assert torch.allclose(q.sum(-1), torch.ones(1, 3))
     assert q[..., ~allowed].abs().max() == 0

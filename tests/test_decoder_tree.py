@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference.sampling import Proposal
 from inference.tree import (
     MC_SIM_7B_63,
     NAIVE_EXTEND_57,
@@ -114,13 +115,13 @@ def test_dynamic_selection_keeps_ancestors_and_orders_parents_first():
 
 def test_gumbel_topk_draws_distinct_tokens_with_conditional_probabilities():
     q = torch.tensor([0.5, 0.3, 0.2, 0.0]).expand(4000, -1)
-    tokens, probs = gumbel_topk(q, 3, torch.Generator().manual_seed(0))  # 4000 independent draws of 3
+    tokens, probs = gumbel_topk(Proposal(q), 3, torch.Generator().manual_seed(0))  # 4000 independent draws of 3
     assert (tokens[:, 0] != tokens[:, 1]).all() and (tokens[:, 1] != tokens[:, 2]).all()
     assert (tokens[:, 0] != tokens[:, 2]).all()
     assert torch.allclose(torch.bincount(tokens[:, 0], minlength=4) / 4000, q[0], atol=0.03)  # first draw ~ q
     second = q.gather(1, tokens[:, 1:2])[:, 0] / (1 - q.gather(1, tokens[:, :1])[:, 0])
     assert torch.allclose(probs[:, 1], second)
-    tokens, probs = gumbel_topk(q[:1], 4, None)
+    tokens, probs = gumbel_topk(Proposal(q[:1]), 4, None)
     assert tokens[0, 3] == 3 and probs[0, 3] == 0  # zero-probability tokens come last, never accepted
 
 
@@ -129,7 +130,8 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     q = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.2, 0.0, 0.1, 0.0])
     support = torch.tensor([6, 0, 3, 1, 4])
     draws = 40000
-    tokens, probs = gumbel_topk(q.expand(draws, -1), 2, torch.Generator().manual_seed(1), support.expand(draws, -1))
+    on_support = Proposal(q[support].expand(draws, -1), support.expand(draws, -1), vocab_size=8)  # q on 5 tokens
+    tokens, probs = gumbel_topk(on_support, 2, torch.Generator().manual_seed(1))
     assert set(tokens.flatten().tolist()) <= {1, 3, 4, 6}  # never a zero-mass token while mass is left
     # exact probability of drawing the ordered pair (a, b): q(a) q(b) / (1 - q(a))
     pairs = torch.zeros(8, 8)
@@ -138,9 +140,10 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     exact.fill_diagonal_(0.0)
     assert 0.5 * (pairs / draws - exact).abs().sum() < 0.015  # TV of the pair law; sampling noise ~0.005
     assert torch.allclose(probs[:, 1], q[tokens[:, 1]] / (1 - q[tokens[:, 0]]))
-    # fewer candidates than draws: the race falls back to the whole vocabulary
-    tokens, _ = gumbel_topk(q[None], 6, torch.Generator().manual_seed(2), support[None, :3])
-    assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6}
+    # fewer candidates than draws: the race falls back to the whole vocabulary, zero-mass tokens last
+    tokens, probs = gumbel_topk(on_support[:1], 6, torch.Generator().manual_seed(2))
+    assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6} and len(set(tokens[0].tolist())) == 6
+    assert (probs[0, 4:] == 0).all()
 
 
 def test_a_level_selection_is_the_cheapest_index_that_takes_the_same_entries():

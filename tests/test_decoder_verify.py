@@ -22,6 +22,7 @@ from inference.rules import (
     LanternRule,
     needs_every_node,
 )
+from inference.sampling import Proposal
 from inference.tree import StaticTreeSpec, Tree, gumbel_topk
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
@@ -43,7 +44,7 @@ def build_case(paths, batch: int, vocab: int, sampled: bool, seed: int, dim: int
         if not kids:
             continue
         if sampled:
-            draws, probs = gumbel_topk(q_full[:, node], len(kids), g)
+            draws, probs = gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
             q_cond[:, kids] = probs
         else:  # distinct top-ranked tokens, with an occasional duplicate sibling to exercise dedupe
             draws = q_full[:, node].topk(len(kids), dim=-1).indices

@@ -92,14 +92,17 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 def test_the_drafts_proposal_keeps_exactly_top_k_tokens_and_names_them():
     settings = SamplingDefaults(cfg_scale=1.0, top_k=2, temperature=0.5)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.2, 0.2, 0.2]]))  # row 2: a tie at the k-th
-    probs, support = proposal_distribution(logits, settings, cfg=False)
-    assert support is not None and support.shape == (2, 2)
+    proposal = proposal_distribution(logits, settings, cfg=False)
+    probs, support = proposal.dense(), proposal.support  # (2, 4), (2, k)
+    assert support is not None and support.shape == (2, 2) and proposal.probs.shape == (2, 2)
     assert ((probs > 0).sum(-1) == 2).all()  # exactly k, also when tokens tie with the k-th
     assert torch.equal(probs.gather(-1, support).sum(-1), torch.ones(2))  # the support holds all the mass
     _, target_probs = processed_distribution(logits, settings, cfg=False)
     torch.testing.assert_close(probs[0], target_probs[0])  # without ties: the target's own processing
     assert (target_probs[1] > 0).sum() == 4  # the target's filter keeps the ties
-    assert proposal_distribution(logits, SamplingDefaults(cfg_scale=1.0), cfg=False)[1] is None  # no top-k
+    assert torch.equal(probs.gather(-1, support), proposal.probs)  # the dense q holds the support's probabilities
+    dense = proposal_distribution(logits, SamplingDefaults(cfg_scale=1.0), cfg=False)  # no top-k: q over V
+    assert dense.support is None and torch.equal(dense.dense(), dense.probs) and dense.probs.shape == (2, 4)
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator(tiny_target):
