@@ -1,4 +1,4 @@
-"""The decoding form of an EAGLE drafter: fused projections, 2-D matmuls, rotary on q and k at once.
+"""The decoding form of an EAGLE drafter: fused projections, 2-D matmuls, rotary on q, k and v at once.
 
 `FusedDraftStep(model)` computes what `EagleDraftModel.forward` followed by `draft_logits` computes
 through a KV cache, in half the aten ops per call (57 against 116 for the toy's EAGLE-3 head).
@@ -14,7 +14,9 @@ pays for it:
 - the rotary angles are position x [-f, f] (f the inverse frequencies): their cosine is [cos, cos] and
   their sine [-sin, sin], so q and k, adjacent in the fused output, are rotated together as
   x cos + roll(x, E/2) sin (one `addcmul`), which equals Llama's x cos + rotate_half(x) sin exactly;
-  the heads are transposed once, before q|k and v are split off as views;
+  v's heads ride along with frequency 0 (x cos 0 + roll(x) sin 0 = x exactly), so k | v leaves as
+  one block that the cache stores with one copy (`KVCache.write_entries`); the heads are transposed
+  once, before q and k | v are split off as views;
 - the RMSNorm weights are folded into the projection that follows each norm.
 
 The fused weights are copies, rebuilt whenever a parameter of the model changes (optimizer steps
@@ -50,7 +52,7 @@ class FusedWeights:
     gate_up: Tensor  # (H, 2 I), rows scaled by the post-attention norm's weight
     down: Tensor  # (I, H)
     lm_head: Tensor | None  # (H, Vd), EAGLE-3, rows scaled by the final norm's weight
-    signed_inv_freq: Tensor  # (E,) float32: [-f, f] with f the rotary inverse frequencies
+    signed_inv_freq: Tensor  # (h + 2g, 1, E) float32: [-f, f] with f the rotary inverse frequencies, 0 for v's heads
     eps: float  # the norms' epsilon
 
 
@@ -94,7 +96,13 @@ class FusedDraftStep:
             lm_head=(model.lm_head.weight.t() * model.norm.weight[:, None]).contiguous()
             if config.architecture == "eagle3"
             else None,  # fmt: skip
-            signed_inv_freq=torch.cat([-inv_freq, inv_freq]),
+            signed_inv_freq=torch.cat([-inv_freq, inv_freq])  # (h + 2g, 1, E): zero for the value heads
+            .expand(config.num_heads + 2 * config.kv_heads, 1, -1)
+            .masked_fill(
+                torch.arange(config.num_heads + 2 * config.kv_heads, device=device)[:, None, None]
+                >= config.num_heads + config.kv_heads,
+                0.0,
+            ),  # fmt: skip
             eps=config.rms_norm_eps,
         )
 
@@ -135,9 +143,9 @@ class FusedDraftStep:
             attention_input = _unit_rms(torch.cat([embeds, hidden], dim=-1).view(rows * length, 2, -1), w.eps)
             attention_input = attention_input.view(rows * length, -1)
         qkv = torch.mm(attention_input, w.qkv).view(rows, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
-        query_key, v = qkv.split([heads + kv_heads, kv_heads], dim=1)  # (R, h + g, T, E), (R, g, T, E)
-        q, k = _rotate(query_key, positions, w.signed_inv_freq).split([heads, kv_heads], dim=1)  # (R, h|g, T, E)
-        keys, values = cache.write(0, k.to(cache.keys.dtype), v.to(cache.values.dtype))  # (R, g, S, E)
+        # q and k rotate, v turns by angle 0 (x cos 0 + roll(x) sin 0 = x): then k | v is one block for the cache
+        q, kv = _rotate(qkv, positions, w.signed_inv_freq).split([heads, 2 * kv_heads], dim=1)  # (R, h|2g, T, E)
+        keys, values = cache.write_entries(0, kv.to(cache.entries.dtype))  # (R, g, S, E) each
         attended = F.scaled_dot_product_attention(
             q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=kv_heads != heads
         )  # (R, h, T, E)
@@ -180,11 +188,12 @@ def _unit_rms(x: Tensor, eps: float) -> Tensor:
 
 
 def _rotate(x: Tensor, positions: Tensor, signed_inv_freq: Tensor) -> Tensor:
-    """Llama half-split rotary embedding of x (R, heads, T, E) at positions (R, T), computed in fp32.
+    """Llama half-split rotary embedding of x (R, heads, T, E) at positions (R, T), computed in fp32;
+    `signed_inv_freq` (heads, 1, E) turns each head by its own frequencies (all 0: the head as it is).
 
     With f the inverse frequencies and a = position * [-f, f]: cos(a) = [cos, cos] and sin(a) = [-sin, sin]
     (cos is even, sin odd), so x cos(a) + roll(x, E/2) sin(a) is x cos + rotate_half(x) sin.
     """
-    angles = positions[:, None, :, None] * signed_inv_freq  # (R, 1, T, E) fp32: int64 x fp32 promotes
+    angles = positions[:, None, :, None] * signed_inv_freq  # (R, heads, T, E) fp32: int64 x fp32 promotes
     x_float = x.float()
     return torch.addcmul(x_float * angles.cos(), x_float.roll(x.shape[-1] // 2, dims=-1), angles.sin()).type_as(x)

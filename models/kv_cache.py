@@ -19,16 +19,32 @@ from torch import Tensor
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer for R rows, plus which columns are attendable."""
+    """Keys and values of every layer for R rows, plus which columns are attendable.
 
-    keys: Tensor  # (L, R, H, S, E)
-    values: Tensor  # (L, R, H, S, E)
+    Keys and values live in one tensor, keys in the first H heads and values in the last H, so a
+    layer whose projections yield them adjacent stores both with one copy (`write_entries`) and a
+    commit moves both with one gather.
+    """
+
+    entries: Tensor  # (L, R, 2H, S, E): the keys' H heads, then the values'
     column_valid: Tensor  # (R, S) bool
     length: int = 0  # number of filled columns, the same for every row
 
     def __post_init__(self) -> None:
-        # each layer's (R, H, S, E) views, taken once: `write` then slices them without a select per call
-        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)
+        # each layer's (R, 2H, S, E) view, taken once: the writes then slice it without a select per call
+        self._heads = self.entries.shape[2] // 2
+        self._layers = self.entries.unbind(0)  # (R, 2H, S, E) each
+        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)  # (R, H, S, E) each
+
+    @property
+    def keys(self) -> Tensor:
+        """(L, R, H, S, E), a view."""
+        return self.entries[:, :, : self._heads]
+
+    @property
+    def values(self) -> Tensor:
+        """(L, R, H, S, E), a view."""
+        return self.entries[:, :, self._heads :]
 
     @classmethod
     def allocate(
@@ -42,20 +58,18 @@ class KVCache:
         device: torch.device | str | None = None,
     ) -> KVCache:
         """An empty cache able to hold `capacity` tokens per row."""
-        shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
         return cls(
-            keys=torch.zeros(shape, dtype=dtype, device=device),
-            values=torch.zeros(shape, dtype=dtype, device=device),
+            entries=torch.zeros(num_layers, rows, 2 * num_kv_heads, capacity, head_dim, dtype=dtype, device=device),
             column_valid=torch.zeros(rows, capacity, dtype=torch.bool, device=device),
         )
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.entries.shape[3]
 
     @property
     def rows(self) -> int:
-        return self.keys.shape[1]
+        return self.entries.shape[1]
 
     def write(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Store one layer's keys/values of T new tokens after the filled columns.
@@ -66,13 +80,25 @@ class KVCache:
         Returns:
             all keys and values up to and including the new tokens, (R, H, length + T, E) each.
         """
-        end = self.length + keys.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} tokens do not fit its capacity of {self.capacity}")
+        end = self._end(keys.shape[2])
         layer_keys, layer_values = self._layer_keys[layer], self._layer_values[layer]
         layer_keys[:, :, self.length : end] = keys
         layer_values[:, :, self.length : end] = values
         return layer_keys[:, :, :end], layer_values[:, :, :end]
+
+    def write_entries(self, layer: int, entries: Tensor) -> tuple[Tensor, Tensor]:
+        """`write` for keys and values given as one (R, 2H, T, E) tensor, keys' heads first: one copy."""
+        end = self._end(entries.shape[2])
+        stored = self._layers[layer]  # (R, 2H, S, E)
+        stored[:, :, self.length : end] = entries
+        keys, values = stored[:, :, :end].split(self._heads, dim=1)  # (R, H, length + T, E) each
+        return keys, values
+
+    def _end(self, count: int) -> int:
+        end = self.length + count
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} tokens do not fit its capacity of {self.capacity}")
+        return end
 
     def advance(self, new_valid: Tensor | int) -> None:
         """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool, or the
@@ -108,10 +134,9 @@ class KVCache:
         end = start + width
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} columns do not fit its capacity of {self.capacity}")
-        layers, rows, heads, _, head_dim = self.keys.shape
-        index = columns[None, :, None, :, None].expand(layers, rows, heads, width, head_dim)  # (L, R, H, M, E)
-        self.keys[:, :, :, start:end] = self.keys.gather(3, index)
-        self.values[:, :, :, start:end] = self.values.gather(3, index)
+        layers, rows, heads, _, head_dim = self.entries.shape
+        index = columns[None, :, None, :, None].expand(layers, rows, heads, width, head_dim)  # (L, R, 2H, M, E)
+        self.entries[:, :, :, start:end] = self.entries.gather(3, index)
         self.column_valid[:, start : max(end, self.length)] = False
         self.column_valid[:, start:end] = valid
         self.length = end
