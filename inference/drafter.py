@@ -155,6 +155,9 @@ class DraftContext:
         index = (self.root_index[:, None] + steps).clamp_max(self.target.geometry.num_tokens - 1)  # (B, D + 2)
         self.level_index = index
         self.level_positions = to_rows(self.target.image_positions(index), self.cfg)  # (R, D + 2)
+        # each level's column as a view, split off once per step rather than sliced per drafter call
+        self._level_index_columns = index.split(1, dim=1)  # D + 2 of (B, 1)
+        self._level_position_columns = self.level_positions.split(1, dim=1)  # D + 2 of (R, 1)
 
     def run_level(
         self,
@@ -173,8 +176,8 @@ class DraftContext:
             tree_mask = tree_mask.expand(rows, -1, -1)
         elif tree_mask.shape[0] != rows:
             tree_mask = to_rows(tree_mask, self.cfg)
-        positions = self.level_positions[:, depth : depth + 1]  # (R, 1): one level, one position
-        predicted = self.level_index[:, depth + 1 : depth + 2]  # (B, 1)
+        positions = self._level_position_columns[depth]  # (R, 1): one level, one position
+        predicted = self._level_index_columns[depth + 1]  # (B, 1)
         out = self.drafter.forward(
             parent_hidden,
             to_rows(tokens, self.cfg),
