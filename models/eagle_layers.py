@@ -70,7 +70,7 @@ class DraftAttention(nn.Module):
         cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
         q, k = apply_rotary_half(q, cos, sin), apply_rotary_half(k, cos, sin)
         if cache is not None:
-            keys, values = cache.write(0, k.to(cache.keys.dtype), v.to(cache.values.dtype))
+            keys, values = cache.write(0, k.to(cache.entries.dtype), v.to(cache.entries.dtype))
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         elif past is not None:
             keys, values = torch.cat([*past[0], k], dim=2), torch.cat([*past[1], v], dim=2)
