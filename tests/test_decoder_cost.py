@@ -21,6 +21,7 @@ from inference.verify import build_latent_neighbours
 PROMPTS = ["a small red circle at the top left on a plain blue background"]
 TREES = {
     "static": DecoderConfig(tree="static", static_tree="mc_sim_7b_63"),
+    "static-chain": DecoderConfig(tree="static", static_tree="toy_demo_fit_8"),  # levels of single draws
     "dynamic": DecoderConfig(tree="dynamic", top_k=4, depth=4, total_tokens=16),
     "dynamic-sampled": DecoderConfig(tree="dynamic-sampled", top_k=4, depth=4, total_tokens=17),
 }
@@ -74,15 +75,17 @@ def test_the_counter_tells_views_from_computing_ops():
 
 
 # Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets):
-# drafting [static 536-558 (the first rule builds the tree's tables once), dynamic 509, dynamic-sampled 589],
-# verification by exact [208, 257, 267] and by the other rules [304-373, 347-418, 362-429], view [9-11],
-# commit [74]. The target's own forward [392, 430] is the model's code, not the decoder's. Static-tree
-# verification costs about 25 ops more since the target view covers only the nodes with children: the bonus
-# token of a walk that ends at a leaf needs the head and logits chain at that one node (`at_leaf`), the
-# price of running them, and every V-wide verification table, on 11 rows instead of 26.
-DRAFT_CEILING = {"static": 590, "dynamic": 560, "dynamic-sampled": 648}
-EXACT_VERIFY_CEILING = {"static": 229, "dynamic": 283, "dynamic-sampled": 294}
-VERIFY_CEILING = {"static": 410, "dynamic": 460, "dynamic-sampled": 472}
+# drafting [static 484-503 (the first rule builds the tree's tables once), static-chain 593-612, dynamic 493,
+# dynamic-sampled 570], verification by exact [208, 134, 257, 267] and by the other rules [304-373, 182-265,
+# 347-418, 362-429], view [9-11], commit [71]. The target's own forward [391-392, 430] is the model's code, not
+# the decoder's. Static-tree verification costs about 25 ops more since the target view covers only the nodes
+# with children (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a
+# walk that ends at a leaf needs the head and logits chain at that one node (`at_leaf`), the price of running
+# them, and every V-wide verification table, on 11 rows instead of 26. The chain (`toy_demo_fit_8`) makes
+# seven drafter calls a step where `mc_sim_7b_63` makes five.
+DRAFT_CEILING = {"static": 550, "static-chain": 670, "dynamic": 545, "dynamic-sampled": 630}
+EXACT_VERIFY_CEILING = {"static": 229, "static-chain": 150, "dynamic": 283, "dynamic-sampled": 294}
+VERIFY_CEILING = {"static": 410, "static-chain": 290, "dynamic": 460, "dynamic-sampled": 472}
 
 
 def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
@@ -91,7 +94,7 @@ def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
         assert ops["draft"] <= DRAFT_CEILING[tree], row
         ceiling = EXACT_VERIFY_CEILING[tree] if row["rule"] == "exact" else VERIFY_CEILING[tree]
         assert ops["verify"] <= ceiling, row
-        assert ops["view"] <= 16 and ops["commit"] <= 80, row
+        assert ops["view"] <= 16 and ops["commit"] <= 78, row
 
 
 def test_verification_cost_does_not_grow_with_tree_depth(decoder):
