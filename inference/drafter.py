@@ -223,8 +223,8 @@ def draft_static_tree(
         root_hidden: (R, D) the drafter's hidden at the root.
     """
     batch, device = root_token.shape[0], root_token.device
-    vocab = root_q.vocab_size if root_q.support is not None else root_q.probs.shape[-1]
-    if vocab is None or spec.max_children > vocab:
+    vocab = root_q.size
+    if spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
     token_levels = [root_token[:, None]]  # per level (B, L)
     q_levels = [torch.ones(batch, 1, device=device)]  # per level (B, L): conditional draw probabilities
@@ -276,6 +276,8 @@ def _q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, 
     node order, `inner_nodes` (I,) ascending), zero at the leaves. Under top-k one scatter writes them all."""
     probs = torch.cat([q.probs for q in inner_q], dim=1)  # (B, I, k) or (B, I, V)
     batch = probs.shape[0]
+    if probs.shape[1] != inner_nodes.shape[0]:
+        raise ValueError(f"{probs.shape[1]} drafted nodes for a tree of {inner_nodes.shape[0]} inner nodes")
     if all(q.support is not None for q in inner_q):
         support = torch.cat([q.support for q in inner_q if q.support is not None], dim=1)  # (B, I, k)
         flat = (inner_nodes[:, None] * vocab + support).flatten(1)  # (B, I k) positions in the (N V) rows

@@ -102,6 +102,15 @@ class Proposal:
     support: Tensor | None = None  # (..., k) int64 token ids, or None
     vocab_size: int | None = None  # V; needed with a support
 
+    def __post_init__(self) -> None:
+        if self.support is not None and self.vocab_size is None:
+            raise ValueError("a Proposal with a support needs vocab_size, the size of the vocabulary it lives in")
+
+    @property
+    def size(self) -> int:
+        """V, the vocabulary q is a distribution over."""
+        return self.probs.shape[-1] if self.vocab_size is None else self.vocab_size
+
     def __getitem__(self, index: Any) -> Proposal:
         """The same entries of `probs` and `support` (an index over the leading dimensions)."""
         support = None if self.support is None else self.support[index]
@@ -111,9 +120,7 @@ class Proposal:
         """q over the vocabulary, (..., V): zero outside the support."""
         if self.support is None:
             return self.probs
-        if self.vocab_size is None:
-            raise ValueError("a Proposal with a support needs its vocab_size to give q over the vocabulary")
-        return self.probs.new_zeros(*self.probs.shape[:-1], self.vocab_size).scatter_(-1, self.support, self.probs)
+        return self.probs.new_zeros(*self.probs.shape[:-1], self.size).scatter_(-1, self.support, self.probs)
 
     def ranked(self, k: int) -> Tensor:
         """The k likeliest tokens, likeliest first (greedy drafting). -> (..., k) int64."""

@@ -242,7 +242,7 @@ class StaticTreeSpec:
                 LevelPlan(
                     draw=selection(
                         [slot[self.parents[n]] * width + self.ranks[n] for n in nodes], len(expanded) * width, device
-                    ),  # fmt: skip
+                    ),
                     width=width,
                     expanded=selection(next_expanded, self.num_nodes, device),
                     expanded_slot=selection([nodes.index(n) for n in next_expanded], len(nodes), device),

@@ -102,7 +102,7 @@ class FusedDraftStep:
                 torch.arange(config.num_heads + 2 * config.kv_heads, device=device)[:, None, None]
                 >= config.num_heads + config.kv_heads,
                 0.0,
-            ),  # fmt: skip
+            ),
             eps=config.rms_norm_eps,
         )
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from inference.autoregressive import generate_ar
-from inference.sampling import combine_cfg, filter_logits, processed_distribution, proposal_distribution, sample_tokens
+from inference.sampling import (
+    Proposal,
+    combine_cfg,
+    filter_logits,
+    processed_distribution,
+    proposal_distribution,
+    sample_tokens,
+)
 from models.target import SamplingDefaults
 
 PROMPTS = [
@@ -103,6 +110,18 @@ def test_the_drafts_proposal_keeps_exactly_top_k_tokens_and_names_them():
     assert torch.equal(probs.gather(-1, support), proposal.probs)  # the dense q holds the support's probabilities
     dense = proposal_distribution(logits, SamplingDefaults(cfg_scale=1.0), cfg=False)  # no top-k: q over V
     assert dense.support is None and torch.equal(dense.dense(), dense.probs) and dense.probs.shape == (2, 4)
+
+
+def test_a_proposal_on_its_support_ranks_and_spreads_like_the_dense_q():
+    q = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]])
+    support = torch.tensor([[4, 1, 3]])  # the tokens with mass, in no order
+    proposal = Proposal(q.gather(-1, support), support, vocab_size=6)
+    assert torch.equal(proposal.dense(), q) and proposal.size == 6
+    assert proposal.ranked(2).tolist() == [[1, 4]] == q.topk(2).indices.tolist()  # likeliest first
+    assert proposal.ranked(4)[0, :3].tolist() == [1, 4, 3]  # more than the support holds: from the dense q
+    assert torch.equal(proposal[:, None].dense(), q[:, None])  # indexing keeps probabilities and ids together
+    with pytest.raises(ValueError, match="needs vocab_size"):
+        Proposal(q.gather(-1, support), support)
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator(tiny_target):
