@@ -109,6 +109,11 @@ def build_draft_attention_mask(
     """
     rows, length = new_valid.shape
     device = new_valid.device
+    if tree_start is None and tree_mask is None:  # a causal run after the cache (the accepted path): 8 ops, not 17
+        # element i sees the valid elements j <= i and itself: tril(valid_j or i == j)
+        own = (torch.eye(length, dtype=torch.bool, device=device) | new_valid[:, None, :]).tril()  # (R, T, T)
+        context = cache.column_valid[:, None, : cache.length].expand(rows, length, -1)  # (R, T, S - T)
+        return torch.cat([context, own], dim=-1)
     start = cache.length if tree_start is None else tree_start
     if tree_mask is None:
         tree_mask = torch.ones(length, cache.length - start + length, dtype=torch.bool, device=device)

@@ -311,6 +311,17 @@ def test_draft_attention_mask_combines_context_validity_and_the_tree():
     assert torch.equal(mask, expected)
 
 
+def test_the_causal_mask_after_the_cache_equals_the_general_mask_of_a_tree_started_there():
+    generator = torch.Generator().manual_seed(0)
+    cache = KVCache.allocate(1, 3, 1, 12, 1)
+    cache.advance(torch.rand(3, 5, generator=generator) < 0.7)  # committed context with padded columns
+    new_valid = torch.rand(3, 4, generator=generator) < 0.6  # (R, T): some new elements are padding
+    fast = build_draft_attention_mask(cache, new_valid)  # no tree: the causal run after the cache
+    general = build_draft_attention_mask(cache, new_valid, tree_start=cache.length)  # the same, built generally
+    assert fast.shape == (3, 4, 9) and torch.equal(fast, general)
+    assert fast[:, :, 5:].diagonal(dim1=1, dim2=2).all()  # every element sees itself, padding included
+
+
 def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the_committed_columns(tiny_target):
     spec = StaticTreeSpec(MC_SIM_7B_63)  # levels of several expanded nodes, some of them not first draws
     drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
