@@ -269,14 +269,14 @@ def draft_static_tree(
         structure.parents.expand(batch, -1),
         structure.depths.expand(batch, -1),
         q_cond,
-        _q_over_nodes(inner_q, structure.inner_nodes, spec.num_nodes, vocab),
+        q_over_nodes(inner_q, structure.inner_nodes, spec.num_nodes, vocab),
         sampled=not greedy,
         max_depth=spec.max_depth,
         max_children=spec.max_children,
     ).with_structure(structure)
 
 
-def _q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
+def q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
     """q over the vocabulary at every node, (B, N, V): each inner node's (`inner_q`, per level (B, W, .),
     node order, `inner_nodes` (I,) ascending), zero at the leaves. Under top-k one scatter writes them all."""
     probs = torch.cat([q.probs for q in inner_q], dim=1)  # (B, I, k) or (B, I, V)

@@ -16,10 +16,10 @@ from test_drafter_models import tiny_drafter
 
 from inference import speculative
 from inference.autoregressive import generate_ar
-from inference.drafter import build_draft_attention_mask
+from inference.drafter import build_draft_attention_mask, q_over_nodes
 from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.sampling import proposal_distribution
+from inference.sampling import Proposal, proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, load_static_tree, node_paths
 from inference.verify import build_latent_neighbours
@@ -62,6 +62,31 @@ def test_greedy_speculative_output_equals_greedy_ar_without_guidance(tiny_target
         tiny_target, OracleDrafter(tiny_target, scale=0.3), PROMPTS, ExactRule(), DYNAMIC, settings
     )
     assert torch.equal(result.tokens, expected)
+
+
+def test_greedy_static_decoding_without_top_k_equals_greedy_ar(tiny_target):
+    settings = dataclasses.replace(greedy(tiny_target), top_k=None)  # q over the whole vocabulary, no support
+    expected = generate_ar(tiny_target, PROMPTS, settings).tokens
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    result = generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), STATIC, settings)
+    assert torch.equal(result.tokens, expected)
+
+
+def test_q_of_the_inner_nodes_is_scattered_to_the_same_rows_from_supports_as_from_dense_rows():
+    generator = torch.Generator().manual_seed(0)
+    vocab, k, batch = 10, 3, 2
+    inner_nodes = torch.tensor([0, 1, 3, 4])  # the root, then inner nodes of two levels; 2 and 5 are leaves
+    levels = []
+    for width in (1, 1, 2):  # the root, level 1's one expanded node, level 2's two
+        support = torch.rand(batch, width, vocab, generator=generator).argsort(-1)[..., :k]  # distinct ids
+        probs = torch.rand(batch, width, k, generator=generator).softmax(-1)
+        levels.append(Proposal(probs, support, vocab))
+    sparse = q_over_nodes(levels, inner_nodes, 6, vocab)  # one scatter
+    dense = q_over_nodes([Proposal(q.dense()) for q in levels], inner_nodes, 6, vocab)  # one index_copy
+    assert torch.equal(sparse, dense) and sparse.shape == (batch, 6, vocab)
+    assert (sparse[:, [2, 5]] == 0).all() and torch.allclose(sparse[:, inner_nodes].sum(-1), torch.ones(batch, 4))
+    with pytest.raises(ValueError, match="2 drafted nodes for a tree of 4 inner nodes"):
+        q_over_nodes(levels[:2], inner_nodes, 6, vocab)
 
 
 def test_oracle_drafter_is_fully_accepted_and_tau_is_depth_plus_one(tiny_target):
