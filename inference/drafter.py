@@ -18,7 +18,12 @@ each element predicts, temperature, top-k, top-p) to them (cascade.md §2.1).
 Cache protocol: pairs with `from_target=True` are committed context. While drafting a tree the
 decoder notes `tree_start = cache.length`, calls the drafter once per level with `tree_start` and
 `tree_mask` (which draft columns, from `tree_start` on, each new element may attend to), then
-truncates the cache back to `tree_start`. `build_draft_attention_mask` turns this into a full mask.
+truncates the cache back to `tree_start`. `build_draft_attention_mask` turns this into a full mask;
+on a static tree the decoder builds that mask once per tree and passes each level its slice as
+`attention_mask`, which a drafter may use instead.
+
+The processed distribution q of a drafter output is a `Proposal`: under top-k its k probabilities and
+token ids, drawn from as they are and written over the vocabulary only for the tree's `q_full`.
 
 Shapes: B prompts, R rows (2B with CFG), T new elements, J draft columns cached since tree_start,
 S cache columns, D hidden size, Df feature width, V vocabulary, K top-k, N tree nodes.

@@ -4,7 +4,8 @@
     token = sample_tokens(guided, settings, generator)  # / temperature -> top-k -> top-p -> multinomial
 
 The same processing is applied to drafter logits in the tree decoder, so drafts are proposed
-from the distribution the target samples from. Randomness is explicit: every sampler takes a
+from the distribution the target samples from (`proposal_distribution`, which keeps exactly top-k
+tokens and returns q on them as a `Proposal`). Randomness is explicit: every sampler takes a
 `torch.Generator`.
 
 Shapes: R rows = 2B with CFG ([cond; uncond] halves), B prompts, V vocabulary.
