@@ -123,6 +123,10 @@ def test_gumbel_topk_draws_distinct_tokens_with_conditional_probabilities():
     assert torch.allclose(probs[:, 1], second)
     tokens, probs = gumbel_topk(Proposal(q[:1]), 4, None)
     assert tokens[0, 3] == 3 and probs[0, 3] == 0  # zero-probability tokens come last, never accepted
+    tokens, probs = gumbel_topk(Proposal(q), 1, torch.Generator().manual_seed(1))  # one draw: its q, nothing before
+    assert torch.equal(probs, q.gather(1, tokens)) and torch.allclose(
+        torch.bincount(tokens[:, 0], minlength=4) / 4000, q[0], atol=0.03
+    )
 
 
 def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_distribution():
@@ -161,6 +165,5 @@ def test_a_chain_of_single_draws_plans_no_index_tensors():
     levels = chain.plan(torch.device("cpu"))
     assert [level.width for level in levels] == [2, 1, 1]
     assert levels[0].expanded_slot == slice(0, 1) and levels[0].hidden_slot is None and levels[0].draw is None
-    assert all(
-        level.draw is None and level.hidden_slot is None and level.expanded_slot is None for level in levels[1:2]
-    )
+    middle = levels[1]  # one node, one draw, one expanded node: nothing to index
+    assert middle.draw is None and middle.hidden_slot is None and middle.expanded_slot is None
