@@ -111,11 +111,18 @@ def count_decode_ops(
 ) -> list[dict[str, Any]]:
     """Decode `prompts` (one at a time) with every rule on every tree under an `OpCounter`.
 
+    Each tree first decodes the first prompt once, uncounted: work done once per process (a static
+    tree's index tables and masks, the drafter's fused weights) is not a cost of every step, and would
+    otherwise land on whichever rule is counted first.
+
     Returns one row per (tree, rule): aten ops and host syncs per verification step by phase, and the
     drafting + verification + commit ops against the target forward's.
     """
     rows = []
     for tree_name, config in trees.items():
+        warm_rule = next(iter(rules.values()))
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        generate_speculative(target, drafter, prompts[:1], warm_rule, config, settings, generator)
         for label, rule in rules.items():
             counter = OpCounter()
             for i, prompt in enumerate(prompts):

@@ -74,16 +74,17 @@ def test_the_counter_tells_views_from_computing_ops():
     assert (counter.ops["verify"], counter.views["verify"]) == (6, 4)
 
 
-# Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets):
-# drafting [static 484-503 (the first rule builds the tree's tables once), static-chain 593-612, dynamic 493,
-# dynamic-sampled 570], verification by exact [208, 134, 257, 267] and by the other rules [304-373, 182-265,
-# 347-418, 362-429], view [9-11], commit [71]. The target's own forward [391-392, 430] is the model's code, not
-# the decoder's. Static-tree verification costs about 25 ops more since the target view covers only the nodes
-# with children (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a
-# walk that ends at a leaf needs the head and logits chain at that one node (`at_leaf`), the price of running
-# them, and every V-wide verification table, on 11 rows instead of 26. The chain (`toy_demo_fit_8`) makes
-# seven drafter calls a step where `mc_sim_7b_63` makes five.
-DRAFT_CEILING = {"static": 550, "static-chain": 670, "dynamic": 545, "dynamic-sampled": 630}
+# Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets), after the
+# one uncounted decode per tree that `count_decode_ops` makes (a static tree's tables and the drafter's fused
+# weights are built once, not every step): drafting [static 475, static-chain 584, dynamic 484, dynamic-sampled
+# 561], verification by exact [208, 134, 257, 267] and by the other rules [304-373, 182-265, 347-418, 362-429],
+# view [9-11], commit [71]. The target's own forward [391-392, 430] is the model's code, not the decoder's.
+# Static-tree verification costs about 25 ops more since the target view covers only the nodes with children
+# (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a walk that ends
+# at a leaf needs the head and logits chain at that one node (`at_leaf`), the price of running them, and every
+# V-wide verification table, on 11 rows instead of 26. The chain (`toy_demo_fit_8`) makes seven drafter calls
+# a step where `mc_sim_7b_63` makes five.
+DRAFT_CEILING = {"static": 520, "static-chain": 640, "dynamic": 535, "dynamic-sampled": 620}
 EXACT_VERIFY_CEILING = {"static": 229, "static-chain": 150, "dynamic": 283, "dynamic-sampled": 294}
 VERIFY_CEILING = {"static": 410, "static-chain": 290, "dynamic": 460, "dynamic-sampled": 472}
 
