@@ -163,11 +163,10 @@ class DraftContext:
         # outputs predict root + d + 1 (past the end: never accepted, any position does)
         steps = torch.arange(self.max_depth + 2, device=self.root_index.device)
         index = (self.root_index[:, None] + steps).clamp_max(self.target.geometry.num_tokens - 1)  # (B, D + 2)
-        self.level_index = index
-        self.level_positions = to_rows(self.target.image_positions(index), self.cfg)  # (R, D + 2)
+        positions = to_rows(self.target.image_positions(index), self.cfg)  # (R, D + 2)
         # each level's column as a view, split off once per step rather than sliced per drafter call
-        self._level_index_columns = index.split(1, dim=1)  # D + 2 of (B, 1)
-        self._level_position_columns = self.level_positions.split(1, dim=1)  # D + 2 of (R, 1)
+        self.level_index = index.split(1, dim=1)  # D + 2 of (B, 1)
+        self.level_positions = positions.split(1, dim=1)  # D + 2 of (R, 1)
 
     def run_level(
         self,
@@ -186,8 +185,8 @@ class DraftContext:
             tree_mask = tree_mask.expand(rows, -1, -1)
         elif tree_mask.shape[0] != rows:
             tree_mask = to_rows(tree_mask, self.cfg)
-        positions = self._level_position_columns[depth]  # (R, 1): one level, one position
-        predicted = self._level_index_columns[depth + 1]  # (B, 1)
+        positions = self.level_positions[depth]  # (R, 1): one level, one position
+        predicted = self.level_index[depth + 1]  # (B, 1)
         out = self.drafter.forward(
             parent_hidden,
             to_rows(tokens, self.cfg),
@@ -258,12 +257,13 @@ def draft_static_tree(
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
             break
+        level_mask = attention[:, level.run_rows, : tree_start + level.run_rows.stop]  # (R, W, tree_start + J + W)
         level_q, level_hidden = ctx.run_level(
             select(level_hidden, level.hidden_slot),
             select(level_tokens, level.expanded_slot),
             depth,
             tree_start,
-            (level_mask := attention[:, level.run_rows, : tree_start + level.run_rows.stop])[..., tree_start:],
+            level_mask[..., tree_start:],  # the draft columns: what `tree_mask` means in `Drafter.forward`
             level_mask,
         )
         inner_q.append(level_q)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from inference.similarity import centred_unit, in_nucleus, kl_divergence
-from inference.tree import Tree
+from inference.tree import Tree, select
 
 
 @dataclass
@@ -45,11 +45,6 @@ class SlotInputs:
     q_x: Tensor  # (B, I) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
     # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
     q_draw: Tensor | None  # (B, I, V) normalised distribution x was drawn from (sampled trees), else None
-
-
-def at_nodes(x: Tensor, nodes: Tensor | None) -> Tensor:
-    """Per-node values (B, N, ...) at `nodes` (I,) -> (B, I, ...); all of them when `nodes` is None."""
-    return x if nodes is None else x[:, nodes]
 
 
 @dataclass
@@ -72,7 +67,7 @@ class TreeInputs:
 
     def at_parents(self, x: Tensor) -> Tensor:
         """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""
-        return at_nodes(x, self.nodes)
+        return select(x, self.nodes)
 
 
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:

@@ -44,9 +44,9 @@ from inference.drafter import (
     draft_static_tree,
     to_rows,
 )
-from inference.rules import CascadeDevRule, CascadeRule, Rule, at_nodes, needs_every_node
+from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import StaticTreeSpec, Tree, load_static_tree, tree_positions
+from inference.tree import StaticTreeSpec, Tree, load_static_tree, select, tree_positions
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
@@ -202,7 +202,7 @@ def build_target_view(
     `node_row`, `Tree.inner_row`), `out.logits` holds only their logits (R, I, V) (the forward's
     `logits_at`), and the view computes a leaf's distribution from `out.hidden` when a walk ends there.
     """
-    index = None if token_index is None else at_nodes(token_index, nodes)
+    index = None if token_index is None else select(token_index, nodes)
     guided, probs = processed_distribution(out.logits, settings, cfg, target, index)  # (B, I, V) each
     batch = guided.shape[0]
     features = None

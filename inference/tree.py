@@ -144,11 +144,10 @@ class TreeStructure:
 Selection = Tensor | slice | None  # positions along one dimension: a run is a slice (a view), None is all
 
 
-def select(x: Tensor, positions: Selection, dim: int = 1) -> Tensor:
-    """x's entries at `positions` along `dim` (a `LevelPlan` field): None returns x itself, with no op."""
-    if positions is None:
-        return x
-    return x[(slice(None),) * dim + (positions,)]
+def select(x: Tensor, positions: Selection) -> Tensor:
+    """x (B, N, ...) at `positions` along dim 1 -> (B, P, ...): a level's draws or nodes (`LevelPlan`), the
+    nodes a target view covers; None returns x itself, with no op."""
+    return x if positions is None else x[:, positions]
 
 
 def selection(positions: list[int], length: int, device: torch.device) -> Selection:

@@ -52,11 +52,10 @@ from inference.rules import (
     Rule,
     SlotInputs,
     TreeInputs,
-    at_nodes,
     needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence
-from inference.tree import Tree
+from inference.tree import Tree, select
 
 __all__ = [
     "RULES",
@@ -147,7 +146,7 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
     if view.nodes is not None and (view.node_row is None or view.at_leaf is None):
         raise ValueError("a TargetView over some nodes needs node_row (Tree.inner_row) and at_leaf for the leaves")
-    children = at_nodes(tree.children, view.nodes)  # (B, I, K)
+    children = select(tree.children, view.nodes)  # (B, I, K)
     kid_index = children.clamp_min(0).flatten(1)  # (B, I K)
 
     def at_kids(values: Tensor) -> Tensor:  # per-node (B, N) -> each child's (B, I, K)
