@@ -70,6 +70,21 @@ class TreeInputs:
         return select(x, self.nodes)
 
 
+@dataclass
+class RemovalSlots:
+    """Every child slot of deterministic drafts at once, for a rule whose rejection removes x (the exact residual).
+
+    The c-th test then sees p_c = p with the tokens of the earlier tested siblings removed, renormalised:
+    p_c(y) = p(y) / mass_left[c] for a token y not removed before slot c, 0 for one that was. No loop over
+    the slots is needed (`inference.verify.removal_slots` builds this in a dozen ops).
+    """
+
+    p: Tensor  # (B, I, V) unmodified target at the parent nodes
+    p_x: Tensor  # (B, I, K) p_c(x_c): each child's probability under the residual its test sees, 0 untested
+    mass_left: Tensor  # (B, I, K) p's mass not removed before slot c (p_c's normaliser)
+    removed_before: Tensor  # (K, K) bool [c, c']: slot c' is tested before slot c (with `usable`: its token is gone)
+
+
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
     """(..., V) bool mask that is True at `index` (..., M) where `keep` (..., M); no host sync (unlike one_hot)."""
     mask = torch.zeros(*shape[:-1], shape[-1] + 1, dtype=torch.bool, device=index.device)
@@ -105,6 +120,10 @@ class ExactRule:
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return slot.p_x
+
+    def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, Tensor | None]:
+        """`acceptance` for every slot of deterministic drafts (q(x) = 1): p_c(x), (B, I, K)."""
+        return slots.p_x.clamp_max(1.0), None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -391,6 +410,23 @@ class CascadeRule:
     def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
         _, want = self.acceptance(inputs, state, slot)
         return slot.p_x if want is None else slot.p_x + want.clamp_max(self.delta)
+
+    def acceptance_at_once(
+        self, inputs: TreeInputs, state: CascadeSets, slots: RemovalSlots
+    ) -> tuple[Tensor, Tensor | None]:
+        """`acceptance` for every slot of deterministic drafts (q(x) = 1): a candidate's mass under p_c is
+        p(y) / mass_left[c], or 0 where y is an earlier tested sibling's token (removed). -> (B, I, K) twice."""
+        candidates = state.candidates  # (B, I, K, C)
+        p_candidates = slots.p.gather(2, candidates.flatten(2)).view_as(candidates)
+        earlier = inputs.usable[:, :, None, :] & slots.removed_before  # (B, I, K, K) [c, c']: c' tested before c
+        removed = (candidates[..., None] == inputs.kid_tokens[:, :, None, None, :]) & earlier[:, :, :, None]
+        kept = state.pooled & ~removed.any(-1)  # (B, I, K, C)
+        extra = ((p_candidates * kept).sum(-1) / slots.mass_left).nan_to_num_(0.0)  # (B, I); 0 / 0 past all mass
+        if self.pool_beyond_tree:  # beyond the tree: all other mass
+            extra = torch.where(state.converged, 1.0 - slots.p_x, extra)
+        a0 = slots.p_x.clamp_max(1.0)
+        relaxed = (slots.p_x + extra).clamp_max(1.0)
+        return a0, ((relaxed - a0) * state.eligible).clamp_min(0.0)
 
 
 @dataclass

@@ -10,7 +10,10 @@ target there (never relaxed, cascade.md §4.3).
 What makes this cheap: the residual at u only depends on u and its own children, never on the path
 that led to u (it restarts from the target at every depth). So the residuals and acceptance
 probabilities of all nodes are computed at once, in a loop over the K child slots only, and the walk
-itself is a few gathers along the tree's root-to-node paths. The aten op count per step is
+itself is a few gathers along the tree's root-to-node paths. For deterministic drafts under a rule
+whose rejection only removes x (`exact`, `cascade`), not even that loop: the c-th test sees the target
+with the earlier children's tokens removed, renormalised, which `removal_slots` writes for every slot
+at once. The aten op count per step is
 independent of tree depth and size, and there is no host-device sync. Only parents need the
 target's distribution: on a static tree the view covers its inner nodes (`TargetView.nodes`), every
 V-wide table has one row per inner node, and a walk that ends at a leaf reads the target there
@@ -49,6 +52,7 @@ from inference.rules import (
     GSDBlocksRule,
     GSDRule,
     LanternRule,
+    RemovalSlots,
     Rule,
     SlotInputs,
     TreeInputs,
@@ -176,6 +180,11 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
     p = inputs.probs  # (B, I, V)
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
+    at_once = getattr(rule, "acceptance_at_once", None)
+    if not tree.sampled and at_once is not None:  # removals only: every slot at once, no loop
+        slots, residual = removal_slots(inputs)
+        a0, want = at_once(inputs, state, slots)
+        return a0 * usable, (torch.zeros_like(a0) if want is None else want * usable), residual
     q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
     if inputs.kid_q is not None:  # sampled: (B, I, K) each child's draw probability; 1 where untested, so
         q_kids = inputs.kid_q.masked_fill(~usable, 1.0)  # rules divide unguarded
@@ -197,6 +206,24 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
             q_left = q_left.scatter(2, x[..., None], 0.0)
     return torch.stack(a0s, -1), torch.stack(wants, -1), p
+
+
+def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
+    """Deterministic drafts under a rule whose rejection removes x: every slot's p_c(x) and normaliser at once,
+    and the residual after every child, (B, I, V). What `slot_tables`' loop computes, in a dozen ops.
+
+    The mass left before slot c is what was never removed plus the tested children's from slot c on, summed
+    from the last slot back, so that where a child takes all the mass left its p_c(x) is exactly 1 (as in the
+    loop, which divides that child's mass by itself)."""
+    p, usable, tokens = inputs.probs, inputs.usable, inputs.kid_tokens  # (B, I, V), (B, I, K) twice
+    p_kids = p.gather(2, tokens) * usable  # (B, I, K) p(x), 0 where untested (duplicates, padding, too deep)
+    removed = p.scatter_add(2, tokens, -p_kids)  # every tested child's token at exactly 0; untested ones add 0
+    mass_left = removed.sum(-1, keepdim=True) + p_kids.flip(-1).cumsum(-1).flip(-1)  # (B, I, K)
+    width = tokens.shape[-1]
+    before = torch.ones(width, width, dtype=torch.bool, device=p.device).tril(-1)  # (K, K) [c, c']: c' < c
+    # 0 / 0 only past a child that took all the mass left (accepted with probability 1: never reached)
+    p_x = (p_kids / mass_left).nan_to_num_(0.0)
+    return RemovalSlots(p, p_x, mass_left, before), normalise_or_uniform(removed)
 
 
 def verify(

@@ -113,6 +113,30 @@ def test_vectorised_verify_equals_the_textbook_loop(sampled):
                     assert got == pytest.approx(want, abs=1e-5)
 
 
+def test_a_deterministic_child_holding_all_the_mass_left_is_accepted_with_probability_exactly_one():
+    """Deterministic drafts are verified without a loop over the slots (`removal_slots`): where the earlier
+    children are rejected and the last one holds all the target mass left, its test must be certain, as
+    in the loop, which divides that mass by itself, even against the largest uniform below 1."""
+    vocab, width, batch = 6, 3, 64
+    g = torch.Generator().manual_seed(0)
+    probs = torch.zeros(batch, width + 1, vocab)
+    probs[:, 0, :width] = (torch.randn(batch, width, generator=g) * 2).softmax(-1)  # all mass on the children
+    probs[:, 1:] = 1.0 / vocab
+    tokens = torch.tensor([vocab - 1, *range(width)]).expand(batch, -1)
+    parents = torch.tensor([-1] + [0] * width).expand(batch, -1)
+    depths = (parents >= 0).long()
+    q_cond, q_full = torch.ones(batch, width + 1), torch.zeros(batch, width + 1, vocab)
+    tree = Tree(tokens, parents, depths, q_cond, q_full, sampled=False, max_depth=1, max_children=width)
+    below_one = 1.0 - 2.0**-24  # the largest float32 below 1, which torch.rand can draw
+    uniforms = Uniforms(torch.full((batch, 1, width), below_one), torch.rand(batch, generator=g))
+    for rule in (ExactRule(), CascadeRule(tau_pos=2.0, tau_seq=2.0)):  # cascade without any relaxation
+        view = TargetView(probs, features=torch.randn(batch, width + 1, 4, generator=g))
+        verdict = verify(tree, view, rule, uniforms)
+        assert (verdict.last_node == width).all(), rule
+        assert (verdict.accept_prob[:, 0, -1] == 1.0).all(), rule
+        assert (verdict.accept_prob[:, 0, :-1] < 1.0).all(), rule
+
+
 def inner_view(view: TargetView) -> TargetView:
     """The view restricted to SMALL_TREE's nodes with children, with the full view's leaves as `at_leaf`."""
     structure = StaticTreeSpec(SMALL_TREE).structure(torch.device("cpu"))
