@@ -114,8 +114,9 @@ class Tree:
 
     @cached_property
     def paths(self) -> Tensor:
-        """(B, N, P) int64: the root-to-node path of every node (index d = ancestor at depth d), -1 padded."""
-        return node_paths(self.parents, self.depths, self.max_depth)
+        """(B, N, P) int64: the root-to-node path of every node (index d = ancestor at depth d), -1 padded.
+        Read off `attention_mask`, which the target forward over the tree has built already."""
+        return ancestor_paths(self.attention_mask, self.depths, self.max_depth)
 
     def with_structure(self, structure: TreeStructure) -> Tree:
         """Set `attention_mask`, `children` and `paths` from tables built once for a fixed shape (static
@@ -324,6 +325,19 @@ def node_paths(parents: Tensor, depths: Tensor, max_depth: int) -> Tensor:
         paths.scatter_(2, torch.where(valid, depth, max_depth)[..., None], torch.where(valid, current, -1)[..., None])
         current = torch.where(valid, parents.gather(1, current.clamp_min(0)), current)
     return paths
+
+
+def ancestor_paths(mask: Tensor, depths: Tensor, max_depth: int) -> Tensor:
+    """`node_paths` from the ancestor-or-self mask (B, N, N) and depths (B, N) -> (B, N, P) int64, -1 padded.
+
+    A node has one ancestor-or-self at each depth up to its own: path[b, n, d] = the m with mask[b, n, m] and
+    depths[b, m] = d. One masked sum over (B, N, N, P), no loop over the depths."""
+    num_nodes = depths.shape[1]
+    levels = torch.arange(max_depth + 1, device=depths.device)  # (P,)
+    nodes = torch.arange(num_nodes, device=depths.device)[:, None]  # (N, 1)
+    node_at_depth = torch.where(depths[..., None] == levels, nodes, 0)  # (B, N, P): m where m's depth is d, else 0
+    paths = (mask[..., None] * node_at_depth[:, None]).sum(2)  # (B, N, P): the one ancestor at depth d
+    return torch.where(levels <= depths[..., None], paths, -1)
 
 
 def leaf_paths(tree: Tree) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ from inference.tree import (
     StaticTreeSpec,
     Tree,
     ancestor_mask,
+    ancestor_paths,
     children_table,
     gumbel_topk,
     leaf_paths,
@@ -60,6 +61,9 @@ def test_ancestor_mask_children_and_paths_match_a_per_node_walk():
     mask = ancestor_mask(parents, max_depth)
     children = children_table(parents, max_children=12)
     paths = node_paths(parents, depths, max_depth)
+    assert torch.equal(ancestor_paths(mask, depths, max_depth), paths)  # what `Tree.paths` reads, loop-free
+    # a Tree whose max_depth is above every row's depth pads the paths with -1 alike
+    assert torch.equal(ancestor_paths(mask, depths, max_depth + 2), node_paths(parents, depths, max_depth + 2))
     for b in range(3):
         for n in range(12):
             chain, m = [], n
