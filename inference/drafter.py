@@ -31,6 +31,7 @@ S cache columns, D hidden size, Df feature width, V vocabulary, K top-k, N tree 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -282,24 +283,37 @@ def draft_static_tree(
 
 
 def q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
-    """q over the vocabulary at every node, (B, N, V): each inner node's (`inner_q`, per level (B, W, .),
-    node order, `inner_nodes` (I,) ascending), zero at the leaves. Under top-k one scatter writes them all."""
+    """q over the vocabulary at every node, (B, N, V): each drafted node's (`inner_q`, per level (B, W, .),
+    in the order of `inner_nodes`), zero elsewhere. `inner_nodes` is (I,), ascending (a static tree's inner
+    nodes), or (B, I) per row (a dynamic tree's), where N may stand for a dump row past the tree. Under
+    top-k one scatter writes them all."""
     probs = torch.cat([q.probs for q in inner_q], dim=1)  # (B, I, k) or (B, I, V)
     batch = probs.shape[0]
-    if probs.shape[1] != inner_nodes.shape[0]:
-        raise ValueError(f"{probs.shape[1]} drafted nodes for a tree of {inner_nodes.shape[0]} inner nodes")
+    if probs.shape[1] != inner_nodes.shape[-1]:
+        raise ValueError(f"{probs.shape[1]} drafted nodes for a tree of {inner_nodes.shape[-1]} inner nodes")
     if all(q.support is not None for q in inner_q):
         support = torch.cat([q.support for q in inner_q if q.support is not None], dim=1)  # (B, I, k)
-        flat = (inner_nodes[:, None] * vocab + support).flatten(1)  # (B, I k) positions in the (N V) rows
+        flat = (inner_nodes[..., None] * vocab + support).flatten(1)  # (B, I k) positions in the (N V) rows
         return probs.new_zeros(batch, num_nodes * vocab).scatter_(1, flat, probs.flatten(1)).view(batch, num_nodes, -1)
     dense = torch.cat([q.dense() for q in inner_q], dim=1)  # (B, I, V)
-    return dense.new_zeros(batch, num_nodes, vocab).index_copy_(1, inner_nodes, dense)
+    if inner_nodes.dim() == 1:
+        return dense.new_zeros(batch, num_nodes, vocab).index_copy_(1, inner_nodes, dense)
+    rows = inner_nodes[..., None].expand(-1, -1, vocab)  # (B, I, V)
+    return dense.new_zeros(batch, num_nodes, vocab).scatter_(1, rows, dense)
+
+
+@functools.lru_cache(maxsize=16)
+def _candidate_depths(top_k: int, depth: int, device: torch.device) -> Tensor:
+    """(M,) depth of every dynamic-tree candidate: top_k at depth 1, then top_k ** 2 per level, built once."""
+    counts = [top_k] + [top_k * top_k] * (depth - 1)
+    levels = [torch.full((count,), level, dtype=torch.long) for level, count in enumerate(counts, start=1)]
+    return torch.cat(levels).to(device)
 
 
 def draft_dynamic_tree(
     ctx: DraftContext,
     root_token: Tensor,
-    root_q: Tensor,
+    root: Proposal,
     root_hidden: Tensor,
     top_k: int,
     depth: int,
@@ -310,61 +324,61 @@ def draft_dynamic_tree(
     Level 1 is the top-k of q at the root; each further level expands the top-k frontier nodes by
     their top-k children, scored by cumulative log q, and keeps the top-k as the next frontier;
     finally the `total_tokens` best nodes (root included) form the tree. depth - 1 drafter calls.
+    Each level only ranks q's own support (under top-k) and notes which candidates it ran on; the
+    candidates' parents and depths and q over the vocabulary at the kept nodes are written once, at the end.
+
+    Args:
+        root_token: (B,); root: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
     """
-    batch, vocab = root_q.shape
-    device = root_q.device
+    batch, vocab, device = root_token.shape[0], root.size, root_token.device
     k = top_k
     if k > vocab:
         raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
-    log_q = torch.where(root_q > 0, root_q.clamp_min(1e-30).log(), -1e30)  # -1e30 keeps sums finite
-    scores, toks = log_q.topk(k, dim=-1)  # (B, K)
+    scores, toks = _log_top(root, k)  # (B, K)
     cand_tokens, cand_scores = [toks], [scores]
-    cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
-    cand_depths = [torch.ones(batch, k, dtype=torch.long, device=device)]
+    frontiers: list[Tensor] = []  # per level (B, K): the candidates the drafter ran on
+    ran_q = [root[:, None]]  # q of every node the drafter ran on: the root, then K per level
     frontier = torch.arange(k, device=device).expand(batch, -1)  # (B, K) candidate ids
     hidden_slot = torch.zeros(batch, k, dtype=torch.long, device=device)  # parent's slot in prev_hidden
     prev_hidden = root_hidden[:, None]  # (R, 1, D)
     anc = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)  # frontier parents' draft-column ancestry
-    q_store = [root_q[:, None]]  # drafter q of each node the drafter ran on: root, then K per level
-    cand_store = torch.full((batch, k), -1, dtype=torch.long, device=device)  # (B, M) slot in q_store or -1
     eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, -1, -1)
-    tree_start = ctx.cache.length
+    tree_start, base = ctx.cache.length, k  # base: candidates listed before this level's children
     for level in range(1, depth):
         rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
         mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
         proposal, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
-        q = proposal.dense()  # (B, K, V)
         anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
-        q_store.append(q)
-        cand_store.scatter_(1, frontier, 1 + (level - 1) * k + torch.arange(k, device=device).expand(batch, -1))
-        child_log_q = torch.where(q > 0, q.clamp_min(1e-30).log(), -1e30)
-        child_scores, child_tokens = child_log_q.topk(k, dim=-1)  # (B, K, K)
+        ran_q.append(proposal)
+        frontiers.append(frontier)
+        child_scores, child_tokens = _log_top(proposal, k)  # (B, K, K)
         child_scores = scores[..., None] + child_scores
-        base = cand_store.shape[1]
         cand_tokens.append(child_tokens.flatten(1))  # (B, K*K)
         cand_scores.append(child_scores.flatten(1))
-        cand_parents.append(frontier[..., None].expand(-1, -1, k).flatten(1))
-        cand_depths.append(torch.full((batch, k * k), level + 1, dtype=torch.long, device=device))
-        cand_store = torch.cat([cand_store, torch.full((batch, k * k), -1, dtype=torch.long, device=device)], 1)
         scores, best = child_scores.flatten(1).topk(k, dim=-1)  # (B, K) next frontier, best first
         toks = child_tokens.flatten(1).gather(1, best)
         frontier, hidden_slot = base + best, best // k
+        base += k * k
+    ran = torch.cat(frontiers, dim=1) if frontiers else hidden_slot[:, :0]  # (B, (depth - 1) K) candidates run on
+    # a level's K*K children are listed by (frontier slot, rank): child i*K + j has parent frontier[i]
+    cand_parents = torch.cat(
+        [torch.full((batch, k), -1, dtype=torch.long, device=device), ran[..., None].expand(-1, -1, k).flatten(1)],
+        dim=1,
+    )  # fmt: skip
     tokens, parents, depths, node_of = select_dynamic_tree(
         root_token,
         torch.cat(cand_tokens, 1),
         torch.cat(cand_scores, 1),
-        torch.cat(cand_parents, 1),
-        torch.cat(cand_depths, 1),
+        cand_parents,
+        _candidate_depths(k, depth, device).expand(batch, -1),
         total_tokens,
     )
     num_nodes = tokens.shape[1]
-    store = torch.cat(q_store, dim=1)  # (B, 1 + (depth-1)K, V)
-    has = (node_of >= 0) & (cand_store >= 0)  # (B, M): kept candidates the drafter ran on
-    gathered = store.gather(1, cand_store.clamp_min(0)[..., None].expand(-1, -1, vocab))  # (B, M, V)
-    q_full = torch.zeros(batch, num_nodes + 1, vocab, device=device)  # last row: dump for the rest
-    q_full.scatter_(1, torch.where(has, node_of, num_nodes)[..., None].expand(-1, -1, vocab), gathered)
-    q_full[:, 0] = root_q
-    q_full = q_full[:, :num_nodes]
+    # q at the root (node 0) and at each candidate the drafter ran on that the tree kept; the others to a dump row
+    ran_nodes = node_of.gather(1, ran)  # (B, (depth - 1) K), -1 where not kept
+    nodes = torch.cat([torch.zeros_like(ran_nodes[:, :1]), torch.where(ran_nodes >= 0, ran_nodes, num_nodes)], 1)
+    q_full = q_over_nodes(ran_q, nodes, num_nodes + 1, vocab)[:, :num_nodes]
     return Tree(
         tokens,
         parents,
@@ -375,6 +389,12 @@ def draft_dynamic_tree(
         max_depth=depth,
         max_children=k,
     )
+
+
+def _log_top(q: Proposal, k: int) -> tuple[Tensor, Tensor]:
+    """log q of q's k likeliest tokens (-1e30 for zeros, which keeps sums finite) and their ids, (..., k) each."""
+    probs, tokens = q.top(k)
+    return torch.where(probs > 0, probs.clamp_min(1e-30).log(), -1e30), tokens
 
 
 def draft_sampled_dynamic_tree(

@@ -123,11 +123,17 @@ class Proposal:
             return self.probs
         return self.probs.new_zeros(*self.probs.shape[:-1], self.size).scatter_(-1, self.support, self.probs)
 
+    def top(self, k: int) -> tuple[Tensor, Tensor]:
+        """The k likeliest tokens, likeliest first: their probabilities and ids, (..., k) each. Under top-k
+        the sort runs over the support's k' entries, not the vocabulary."""
+        if self.support is None or self.support.shape[-1] < k:
+            return self.dense().topk(k, dim=-1)
+        probs, order = self.probs.topk(k, dim=-1)
+        return probs, self.support.gather(-1, order)
+
     def ranked(self, k: int) -> Tensor:
         """The k likeliest tokens, likeliest first (greedy drafting). -> (..., k) int64."""
-        if self.support is None or self.support.shape[-1] < k:
-            return self.dense().topk(k, dim=-1).indices
-        return self.support.gather(-1, self.probs.topk(k, dim=-1).indices)
+        return self.top(k)[1]
 
 
 def proposal_distribution(

@@ -298,9 +298,7 @@ def _draft(
             generator,
         )
     else:
-        tree = draft_dynamic_tree(
-            ctx, root_token, root_q.dense(), root_hidden, config.top_k, config.depth, config.total_tokens
-        )
+        tree = draft_dynamic_tree(ctx, root_token, root_q, root_hidden, config.top_k, config.depth, config.total_tokens)
     ctx.cache.truncate(tree_start)  # draft columns are recomputed from target features next step
     return tree
 
