@@ -1,7 +1,7 @@
 """Verification rules, one class each: its parameters, the mass a draft is accepted with, and its residual.
 
 `inference.verify` walks the draft tree and asks the rule, for every child slot c of every node at
-once, two things (cascade.md §2.4, §4, §5):
+once (the inputs: `inference.rule_inputs`), two things (cascade.md §2.4, §4, §5):
 
 - `acceptance(...)` -> (a0, want): the rule's acceptance probability of the drafted token x, and for
   budgeted rules (CASCADE) the extra acceptance probability it would like on top, which `verify`
@@ -30,59 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs
 from inference.similarity import centred_unit, in_nucleus, kl_divergence
-from inference.tree import Tree, select
-
-
-@dataclass
-class SlotInputs:
-    """What a rule sees when the c-th child of every node is tested."""
-
-    slot: int
-    p: Tensor  # (B, I, V) current residual target at every parent node (normalised)
-    x: Tensor  # (B, I) token of each node's c-th child (any value where the slot is empty)
-    p_x: Tensor  # (B, I) p(x)
-    q_x: Tensor  # (B, I) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
-    # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
-    q_draw: Tensor | None  # (B, I, V) normalised distribution x was drawn from (sampled trees), else None
-
-
-@dataclass
-class TreeInputs:
-    """The verification problem, prepared once per step by `inference.verify`.
-
-    Its tables have one row per parent node: the nodes the target view covers (`nodes`, the tree's
-    inner nodes), or every node when `nodes` is None. Children, paths and features are node ids and
-    per-node values over all N nodes.
-    """
-
-    tree: Tree
-    probs: Tensor  # (B, I, V) unmodified target distribution at the parent nodes
-    features: Tensor | None  # (B, N, D) similarity features (CASCADE), cond branch, at every node
-    children: Tensor  # (B, I, K) children in test order, -1 padded
-    kid_tokens: Tensor  # (B, I, K)
-    usable: Tensor  # (B, I, K) bool: the slot is tested when reached
-    nodes: Tensor | None = None  # (I,) the parent nodes; None = every node (I = N)
-    kid_q: Tensor | None = None  # (B, I, K) each child's conditional draw probability (sampled trees)
-
-    def at_parents(self, x: Tensor) -> Tensor:
-        """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""
-        return select(x, self.nodes)
-
-
-@dataclass
-class RemovalSlots:
-    """Every child slot of deterministic drafts at once, for a rule whose rejection removes x (the exact residual).
-
-    The c-th test then sees p_c = p with the tokens of the earlier tested siblings removed, renormalised:
-    p_c(y) = p(y) / mass_left[c] for a token y not removed before slot c, 0 for one that was. No loop over
-    the slots is needed (`inference.verify.removal_slots` builds this in a dozen ops).
-    """
-
-    p: Tensor  # (B, I, V) unmodified target at the parent nodes
-    p_x: Tensor  # (B, I, K) p_c(x_c): each child's probability under the residual its test sees, 0 untested
-    mass_left: Tensor  # (B, I, K) p's mass not removed before slot c (p_c's normaliser)
-    removed_before: Tensor  # (K, K) bool [c, c']: slot c' is tested before slot c (with `usable`: its token is gone)
 
 
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs
 from inference.rules import (
     RULES,
     CascadeRule,
@@ -52,10 +53,7 @@ from inference.rules import (
     GSDBlocksRule,
     GSDRule,
     LanternRule,
-    RemovalSlots,
     Rule,
-    SlotInputs,
-    TreeInputs,
     needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence

@@ -12,7 +12,8 @@ code outside it imports `models.toy` (its public names), never one of its submod
 `inference` never import the training stack (lightning, deepspeed, webdataset), anywhere in a file:
 module level, inside functions, under `if TYPE_CHECKING:`, or through `importlib.import_module("...")`
 with a literal name. Inference
-users need no training stack, which the last test also checks at run time by importing every module.
+users need no training stack, which a test also checks at run time by importing every module. No `inference/`
+module is above 500 lines (the decode-cost issue).
 """
 
 from __future__ import annotations
@@ -188,3 +189,16 @@ def test_models_and_inference_import_without_the_training_stack():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+MAX_INFERENCE_FILE_LINES = 500
+"""The decode-cost issue's bound on an `inference/` module: a file above it holds two concerns."""
+
+
+def test_no_inference_module_is_above_500_lines():
+    files = sorted((ROOT / "inference").rglob("*.py"))
+    assert len(files) > 10, "inference/ has no modules to measure"
+    long = {
+        f.name: n for f in files if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_INFERENCE_FILE_LINES
+    }
+    assert not long, f"inference/ modules above {MAX_INFERENCE_FILE_LINES} lines (split them by concern): {long}"
