@@ -43,10 +43,22 @@ class TreeInputs:
     usable: Tensor  # (B, I, K) bool: the slot is tested when reached
     nodes: Tensor | None = None  # (I,) the parent nodes; None = every node (I = N)
     kid_q: Tensor | None = None  # (B, I, K) each child's conditional draw probability (sampled trees)
+    node_row: Tensor | None = None  # (N + 1,) int64 each node's row when `nodes` is set (-1: none, and at index N)
 
     def at_parents(self, x: Tensor) -> Tensor:
         """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""
         return select(x, self.nodes)
+
+    def parent_row(self) -> Tensor:
+        """(B, N) int64: the row of each node's parent in the (B, I, ...) tables (0 for the root, which has none)."""
+        parents = self.tree.parents  # (B, N), -1 at the root
+        if self.node_row is not None:  # rows are some nodes only: node_row's trailing -1 takes the root's -1
+            parents = self.node_row[parents]
+        return parents.clamp_min(0)
+
+    def at_children(self, x: Tensor) -> Tensor:
+        """Per-node values (B, N) -> (B, I, K): each child slot's node's value (node 0's on empty slots)."""
+        return x.gather(1, self.children.clamp_min(0).flatten(1)).view_as(self.children)
 
 
 @dataclass

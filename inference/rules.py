@@ -248,6 +248,20 @@ class GSDRule:
         return self._cluster_mass(state, slot)[0]
 
 
+def children_in_nucleus(inputs: TreeInputs, mass: float) -> Tensor:
+    """(B, I, K) bool: each child slot's token lies in its parent's target nucleus of `mass` (`in_nucleus`).
+
+    A tree with far more slots than nodes (the dynamic tree: 60 nodes, 60 x 10 slots) is tested once per
+    node, against its parent's row, and the answers read back per slot: 10x fewer comparisons over the
+    vocabulary (0.6 against 4.2 ms a step on this CPU) for 10 more ops. A tree with at most 4 slots a node
+    (every static tree preset) is tested once per slot, where those ops would save little."""
+    if inputs.children.numel() <= 4 * inputs.tree.tokens.numel():
+        return in_nucleus(inputs.probs, inputs.kid_tokens, mass)
+    rows = torch.arange(inputs.probs.shape[0], device=inputs.probs.device)[:, None]
+    at_parent = inputs.probs[rows, inputs.parent_row()]  # (B, N, V); the root reads row 0, a don't-care
+    return inputs.at_children(in_nucleus(at_parent, inputs.tree.tokens[..., None], mass)[..., 0])
+
+
 @dataclass
 class CascadeSets:
     """CASCADE's pooling candidates of every child slot, built once per verification step."""
@@ -341,7 +355,7 @@ class CascadeRule:
         pooled &= ~repeat  # each token pooled once
         eligible = usable.clone()
         if self.conf_gate is not None:  # relax only tokens inside the target's nucleus at the parent
-            eligible &= in_nucleus(inputs.probs, inputs.kid_tokens, self.conf_gate)
+            eligible &= children_in_nucleus(inputs, self.conf_gate)
         return CascadeSets(candidates, pooled, converged & self.pool_beyond_tree, eligible)
 
     def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:

@@ -166,7 +166,8 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
         earlier = torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1)
         same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
         usable = valid & ~same.any(-1)
-    return TreeInputs(tree, view.probs.float(), view.features, children, kid_tokens, usable, view.nodes, kid_q)
+    probs = view.probs.float()
+    return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
 
 
 def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]:

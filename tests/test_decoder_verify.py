@@ -8,6 +8,7 @@ reference (`tests/reference_verify.py`) on random trees of every kind, for every
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -20,11 +21,13 @@ from inference.rules import (
     GSDBlocksRule,
     GSDRule,
     LanternRule,
+    children_in_nucleus,
     needs_every_node,
 )
 from inference.sampling import Proposal
+from inference.similarity import in_nucleus
 from inference.tree import StaticTreeSpec, Tree, gumbel_topk
-from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
+from inference.verify import TargetView, Uniforms, build_latent_neighbours, prepare_tree, verify
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
 
@@ -137,9 +140,9 @@ def test_a_deterministic_child_holding_all_the_mass_left_is_accepted_with_probab
         assert (verdict.accept_prob[:, 0, :-1] < 1.0).all(), rule
 
 
-def inner_view(view: TargetView) -> TargetView:
-    """The view restricted to SMALL_TREE's nodes with children, with the full view's leaves as `at_leaf`."""
-    structure = StaticTreeSpec(SMALL_TREE).structure(torch.device("cpu"))
+def inner_view(view: TargetView, paths=SMALL_TREE) -> TargetView:
+    """The view restricted to the tree's nodes with children, with the full view's leaves as `at_leaf`."""
+    structure = StaticTreeSpec(paths).structure(torch.device("cpu"))
     nodes, rows = structure.inner_nodes, torch.arange(view.probs.shape[0])
 
     def at_leaf(node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +186,26 @@ def test_a_view_of_the_inner_nodes_decides_as_the_view_of_every_node(mode):
     assert ends_at_leaf > 0  # walks that end at a leaf, where only at_leaf knows the target
     with pytest.raises(ValueError, match="node_row"):
         verify(tree, dataclasses.replace(partial, node_row=None), ExactRule(), uniforms)
+
+
+def test_the_nucleus_gate_reads_the_same_per_node_as_per_slot():
+    """CASCADE's confidence gate tests a tree with many empty slots once per node (`children_in_nucleus`);
+    it must answer what the per-slot test answers on every usable slot, over every node or the inner ones."""
+    checked = {"per node": 0, "per slot": 0}
+    uneven = ((0,), (1,), (2,), (3,), (3, 0), (3, 1), (2, 0), (3, 0, 0))  # inner nodes 0, 3, 4, 5: rows 0-3
+    for paths, seed, width in itertools.product((SMALL_TREE, uneven), range(3), (0, 12)):  # 12: mostly empty
+        tree, view = build_case(paths, batch=5, vocab=10, sampled=seed == 1, seed=seed)
+        tree.max_children = max(width, tree.max_children)
+        for target_view in (view, inner_view(view, paths)):
+            inputs = prepare_tree(tree, target_view, None)
+            form = "per node" if inputs.children.numel() > 4 * tree.tokens.numel() else "per slot"
+            for mass in (0.3, 0.8):
+                got = children_in_nucleus(inputs, mass)
+                want = in_nucleus(inputs.probs, inputs.kid_tokens, mass)
+                assert torch.equal(got & inputs.usable, want & inputs.usable), (paths, seed, width, form, mass)
+                assert 0 < int((want & inputs.usable).sum()) < int(inputs.usable.sum())  # the gate decides
+                checked[form] += 1
+    assert min(checked.values()) > 0, checked
 
 
 def test_cascade_charges_stay_within_delta_and_zero_budget_is_exact():
