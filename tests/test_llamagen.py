@@ -9,6 +9,7 @@ from models.llamagen import (
     LLAMAGEN_PRESETS,
     LlamaGenConfig,
     LlamaGenTransformer,
+    RMSNorm,
     build_rotary_table_2d,
     load_llamagen_checkpoint,
 )
@@ -96,6 +97,19 @@ def test_padded_caption_slots_do_not_change_the_image_outputs():
     after, _ = model(changed, positions, new_valid=valid)
     torch.testing.assert_close(after[0, 2:], before[0, 2:])
     assert not torch.allclose(after[0, :2], before[0, :2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_llamagen_s_fp32_formula_bit_for_bit(dtype):
+    """RMSNorm calls F.rms_norm (one fused kernel on CUDA); it must equal LlamaGen's own formula exactly:
+    x.float() * rsqrt(mean(x^2) + eps), cast back to x's dtype, then times the weight."""
+    norm = RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    x_float = x.float()
+    want = (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * norm.weight
+    assert torch.equal(norm(x), want)
 
 
 def test_rotary_table_zeroes_caption_slots_and_rotates_rows_then_columns():
