@@ -127,8 +127,9 @@ class EagleDrafter:
         logits_at: Tensor | None = None,
         cfg_scale: float | None = None,
         attention_mask: Tensor | None = None,
+        position_encoding: tuple[Tensor, Tensor] | None = None,
     ) -> DraftOutput:
-        if attention_mask is not None:  # built by the decoder (a static tree's level)
+        if attention_mask is not None:  # built by the decoder (a static tree's level), an additive bias
             mask = attention_mask
         elif valid is None and tree_mask is not None and tree_start is not None:  # a tree level: all nodes valid
             mask = tree_attention_mask(cache, tree_start, tree_mask)  # (R, T, S)
@@ -137,13 +138,19 @@ class EagleDrafter:
                 valid = torch.ones_like(tokens, dtype=torch.bool)
             mask = build_draft_attention_mask(cache, valid, tree_start, tree_mask)
         hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
-                           from_target=from_target, cache=cache)  # fmt: skip
-        cache.advance(tokens.shape[1] if valid is None else valid)
+                                from_target=from_target, cache=cache, rotary=position_encoding)  # fmt: skip
+        # a level under the decoder's whole-tree mask: no one reads these columns' validity before the truncation
+        cache.advance(tokens.shape[1] if valid is None else valid, mark_valid=attention_mask is None)
         wanted = hidden  # (R, T', H)
         if logits_at is not None:
             wanted = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][:, None]
         logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale)  # (R or B, T', Vd)
         return DraftOutput(self.model.to_image_vocab(logits).float(), hidden, guided)
+
+    def position_encodings(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The rotary (cos, sin) of every column of positions (R, L) at once, for `forward`'s
+        `position_encoding` when all its elements sit at that column's position (`Drafter`)."""
+        return self.step.rotary_per_column(positions)
 
     def compile(self, **options: Any) -> None:
         """Run the drafter step's tensor part through `torch.compile(step.run, **options)` (`inference.compiled`);

@@ -36,17 +36,11 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from inference.drafter import (
-    DraftContext,
-    Drafter,
-    draft_dynamic_tree,
-    draft_sampled_dynamic_tree,
-    draft_static_tree,
-    to_rows,
-)
+from inference.drafter import DraftContext, Drafter, to_rows
 from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
 from inference.tree import StaticTreeSpec, Tree, load_static_tree, select, tree_positions
+from inference.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput

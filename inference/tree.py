@@ -351,12 +351,23 @@ def tree_positions(depths: Tensor, root_index: Tensor) -> Tensor:
     return root_index[:, None] + depths
 
 
-def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def exponential_race(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """Exp(1) draws of shape `shape` for `gumbel_topk`'s race (fp32). A zero draw (if a device's sampler ever
+    returned one) is clamped to the smallest normal number, so that q / draw never makes 0 / 0 = NaN."""
+    race = torch.empty(shape, device=device, dtype=torch.float32).exponential_(generator=generator)
+    return race.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def gumbel_topk(
+    q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
 
     Args:
         q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
             then runs over S tokens instead of V, with the same distribution (q is 0 elsewhere).
+        race: `exponential_race` draws of q's shape, drawn before (a static tree draws every level's at
+            once); None = draw them here.
     Returns:
         tokens (..., k) int64 and their conditional draw probabilities
         q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
@@ -366,10 +377,11 @@ def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None) -> tuple
     if support is not None and support.shape[-1] < k:
         weights, support = q.dense(), None  # fewer candidates than draws: race over the whole vocabulary
     weights = weights.float()
-    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last; the
-    # clamp keeps a zero draw (if a device's sampler ever returns one) from making 0 / 0 = NaN rank first.
-    race = torch.empty(weights.shape, device=weights.device, dtype=torch.float32).exponential_(generator=generator)
-    race.clamp_min_(torch.finfo(torch.float32).tiny)
+    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last
+    if race is None:
+        race = exponential_race(weights.shape, weights.device, generator)
+    elif race.shape != weights.shape:
+        raise ValueError(f"race draws of shape {tuple(race.shape)} for probabilities of shape {tuple(weights.shape)}")
     ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
     tokens = ranked if support is None else support.gather(-1, ranked)
     picked = weights.gather(-1, ranked)  # (..., k) q of the drawn tokens, in draw order

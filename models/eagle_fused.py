@@ -107,12 +107,29 @@ class FusedDraftStep:
         )
 
     def __call__(
-        self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor, *, from_target: bool, cache: KVCache
+        self,
+        embeds: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        *,
+        from_target: bool,
+        cache: KVCache,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """`EagleDraftModel.forward(..., cache=cache)`: embeds (R, T, H), features (R, T, Df) or (R, T, H),
-        positions (R, T), mask (R, T, S) bool over the keys -> the drafter hidden (R, T, H). Writes this
+        positions (R, T), mask (R, T, S) over the keys, bool or the additive bias attention makes of one (0 or
+        -inf, in the drafter's dtype) -> the drafter hidden (R, T, H). Writes this
         pass's keys and values into `cache` after its filled columns (the caller advances it)."""
-        return self.run(self.weights(), embeds, features, positions, mask, from_target=from_target, cache=cache)
+        return self.run(
+            self.weights(), embeds, features, positions, mask, from_target=from_target, cache=cache, rotary=rotary
+        )
+
+    def rotary_per_column(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """`run`'s `rotary` for each column of positions (R, L), computed at once: (cos, sin) (R, heads, 1, E)
+        per column, for a pass whose elements all sit at that column's position (a tree level)."""
+        cos, sin = rotary_tables(positions, self.weights().signed_inv_freq)  # (R, heads, L, E) each
+        return list(zip(cos.split(1, dim=2), sin.split(1, dim=2), strict=True))
 
     def run(
         self,
@@ -124,9 +141,12 @@ class FusedDraftStep:
         *,
         from_target: bool,
         cache: KVCache,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """`__call__` with the fused weights given: the pure tensor part, which `--compile` traces whole
-        (the rebuild check reads parameter versions, which would break the graph)."""
+        (the rebuild check reads parameter versions, which would break the graph). `rotary`: the
+        (cos, sin) of `rotary_tables` at `positions`, computed before (once per tree, for all its
+        levels), with T or 1 elements when all T share one position; None = computed here."""
         config = self.model.config
         rows, length = positions.shape
         heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
@@ -144,7 +164,8 @@ class FusedDraftStep:
             attention_input = attention_input.view(rows * length, -1)
         qkv = torch.mm(attention_input, w.qkv).view(rows, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
         # q and k rotate, v turns by angle 0 (x cos 0 + roll(x) sin 0 = x): then k | v is one block for the cache
-        q, kv = _rotate(qkv, positions, w.signed_inv_freq).split([heads, 2 * kv_heads], dim=1)  # (R, h|2g, T, E)
+        cos, sin = rotary_tables(positions, w.signed_inv_freq) if rotary is None else rotary
+        q, kv = _rotate(qkv, cos, sin).split([heads, 2 * kv_heads], dim=1)  # (R, h|2g, T, E)
         keys, values = cache.write_entries(0, kv.to(cache.entries.dtype))  # (R, g, S, E) each
         attended = F.scaled_dot_product_attention(
             q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=kv_heads != heads
@@ -187,13 +208,18 @@ def _unit_rms(x: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _rotate(x: Tensor, positions: Tensor, signed_inv_freq: Tensor) -> Tensor:
-    """Llama half-split rotary embedding of x (R, heads, T, E) at positions (R, T), computed in fp32;
-    `signed_inv_freq` (heads, 1, E) turns each head by its own frequencies (all 0: the head as it is).
+def rotary_tables(positions: Tensor, signed_inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of every head's rotary angles at positions (R, T) -> (R, heads, T, E) fp32 each.
 
-    With f the inverse frequencies and a = position * [-f, f]: cos(a) = [cos, cos] and sin(a) = [-sin, sin]
-    (cos is even, sin odd), so x cos(a) + roll(x, E/2) sin(a) is x cos + rotate_half(x) sin.
+    With f the inverse frequencies, `signed_inv_freq` (heads, 1, E) is [-f, f] (0 for a head that stays as
+    it is) and a = position * [-f, f]: cos(a) = [cos, cos] and sin(a) = [-sin, sin] (cos is even, sin odd).
     """
     angles = positions[:, None, :, None] * signed_inv_freq  # (R, heads, T, E) fp32: int64 x fp32 promotes
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Llama half-split rotary embedding of x (R, heads, T, E), computed in fp32, with `rotary_tables`'
+    cos and sin (R, heads, T or 1, E): x cos(a) + roll(x, E/2) sin(a) is x cos + rotate_half(x) sin."""
     x_float = x.float()
-    return torch.addcmul(x_float * angles.cos(), x_float.roll(x.shape[-1] // 2, dims=-1), angles.sin()).type_as(x)
+    return torch.addcmul(x_float * cos, x_float.roll(x.shape[-1] // 2, dims=-1), sin).type_as(x)

@@ -100,15 +100,17 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {end} tokens do not fit its capacity of {self.capacity}")
         return end
 
-    def advance(self, new_valid: Tensor | int) -> None:
+    def advance(self, new_valid: Tensor | int, *, mark_valid: bool = True) -> None:
         """Mark T new tokens as filled once every layer has written them. new_valid: (R, T) bool, or the
-        count T when all of them are valid (one fill, no mask tensor)."""
+        count T when all of them are valid (one fill, no mask tensor). `mark_valid=False` leaves
+        `column_valid` as it was: for columns that only a mask built elsewhere lets anyone see (a static
+        tree's draft columns, under the mask its decoder built once) and that are truncated after use."""
         count = new_valid if isinstance(new_valid, int) else new_valid.shape[1]
         end = self.length + count
-        if isinstance(new_valid, int):
+        if mark_valid and isinstance(new_valid, int):
             self.column_valid[:, self.length : end].fill_(True)
-        else:
-            self.column_valid[:, self.length : end] = new_valid
+        elif mark_valid:
+            self.column_valid[:, self.length : end] = new_valid  # unmarked columns stay False (see truncate)
         self.length = end
 
     def truncate(self, length: int) -> None:

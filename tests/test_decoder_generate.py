@@ -14,14 +14,15 @@ from conftest import build_tiny_toy_target
 from stub_drafters import FixedLogitsDrafter, OracleDrafter
 from test_drafter_models import tiny_drafter
 
-from inference import speculative
+from inference import speculative, tree_drafting
 from inference.autoregressive import generate_ar
-from inference.drafter import build_draft_attention_mask, q_over_nodes
+from inference.drafter import build_draft_attention_mask
 from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.sampling import Proposal, proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
-from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, load_static_tree, node_paths
+from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, gumbel_topk, load_static_tree, node_paths
+from inference.tree_drafting import q_over_nodes
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
@@ -361,8 +362,11 @@ def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the
             ancestors = spec.ancestors[spec.expanded(depth)][:, drafted]  # (W, J + W) from the spec itself
             context = cache.column_valid[:, None, :tree_start].expand(-1, len(spec.expanded(depth)), -1)
             expected = torch.cat([context, ancestors.expand(cache.rows, -1, -1)], dim=-1)  # (R, W, S)
+            bias = kwargs["attention_mask"]  # additive: 0 where allowed, -inf elsewhere, in the drafter's dtype
             checked.append(
-                torch.equal(kwargs["attention_mask"], expected)
+                bias.dtype == cache.entries.dtype
+                and torch.equal(bias == 0, expected)
+                and torch.equal(bias == float("-inf"), ~expected)
                 and torch.equal(kwargs["tree_mask"], expected[..., tree_start:])
             )
         return forward(features, tokens, positions, cache, **kwargs)
@@ -373,6 +377,29 @@ def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the
     generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
     assert len(checked) >= spec.max_depth - 1 and all(checked)  # every level of every tree got its own mask
     assert max(depth_of) == spec.max_depth - 1
+
+
+def test_a_static_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(tiny_target, monkeypatch):
+    """Every level of a sampled static tree draws its children with Exp(1) draws of its own: disjoint rows
+    of one block drawn per tree (shared rows would correlate the draws of different levels)."""
+    spec = StaticTreeSpec(MC_SIM_7B_63)
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    races: list[torch.Tensor] = []
+
+    def recording_topk(q, k, generator, race=None):
+        races.append(race)
+        return gumbel_topk(q, k, generator, race)
+
+    monkeypatch.setattr(tree_drafting, "gumbel_topk", recording_topk)
+    config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
+    generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
+    assert len(races) % spec.max_depth == 0 and all(race is not None for race in races)
+    for start in range(0, len(races), spec.max_depth):
+        tree_races = races[start : start + spec.max_depth]
+        block = tree_races[0]._base  # (B, 1 + M, S) the tree's block; each level's race is a row slice of it
+        assert block is not None and all(race._base is block for race in tree_races)
+        rows = [race.storage_offset() // block.stride(1) + i for race in tree_races for i in range(race.shape[1])]
+        assert sorted(rows) == list(range(block.shape[1]))  # disjoint, and together the whole block
 
 
 class _RowSplitDrafter(OracleDrafter):

@@ -14,6 +14,7 @@ from inference.tree import (
     ancestor_mask,
     ancestor_paths,
     children_table,
+    exponential_race,
     gumbel_topk,
     leaf_paths,
     node_paths,
@@ -152,6 +153,20 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     tokens, probs = gumbel_topk(on_support[:1], 6, torch.Generator().manual_seed(2))
     assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6} and len(set(tokens[0].tolist())) == 6
     assert (probs[0, 4:] == 0).all()
+
+
+def test_a_race_drawn_beforehand_draws_what_the_race_drawn_inside_does_and_must_fit_q():
+    q = torch.softmax(torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(3)), -1)  # (B, W, S)
+    inside = gumbel_topk(Proposal(q), 3, torch.Generator().manual_seed(5))
+    race = exponential_race(q.shape, q.device, torch.Generator().manual_seed(5))  # the same generator state
+    beforehand = gumbel_topk(Proposal(q), 3, None, race)
+    assert torch.equal(inside[0], beforehand[0]) and torch.equal(inside[1], beforehand[1])
+    # a static tree slices each level's race from one block: a slice of it is as good as a fresh draw
+    block = exponential_race((3, 9, 6), q.device, torch.Generator().manual_seed(6))
+    tokens, _ = gumbel_topk(Proposal(q), 2, None, block[:, 5:9])
+    assert torch.equal(tokens, (q / block[:, 5:9]).topk(2, dim=-1).indices)
+    with pytest.raises(ValueError, match=r"race draws of shape \(3, 4, 5\) for probabilities of shape \(3, 4, 6\)"):
+        gumbel_topk(Proposal(q), 2, None, race[..., :5])
 
 
 def test_a_level_selection_is_the_cheapest_index_that_takes_the_same_entries():

@@ -16,6 +16,7 @@ from inference.cost import OpCounter
 from inference.eagle import EagleDrafter
 from inference.sampling import combine_cfg
 from models.eagle_fused import FusedDraftStep
+from models.kv_cache import KVCache
 
 
 def run_both(model, target, seed: int = 0):
@@ -70,6 +71,45 @@ def test_fused_step_equals_the_modules_through_the_cache(architecture, overrides
         assert close_in_fp32(fused_logits, module_logits)
     assert close_in_fp32(fused_cache.keys[:, :, :, :5], module_cache.keys[:, :, :, :5])  # rotated keys
     assert close_in_fp32(fused_cache.values[:, :, :, :5], module_cache.values[:, :, :, :5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_trees_rotary_tables_and_attention_bias_built_once_give_the_per_call_results_bit_for_bit(dtype):
+    """A static tree's drafting computes the rotary tables of all its levels and its additive attention
+    bias once, and passes each level its slice; each call alone computes them from positions and a bool mask."""
+    target = build_tiny_toy_target()
+    model = tiny_drafter("eagle3").to(dtype).eval()
+    generator = torch.Generator().manual_seed(4)
+    rows, width = 2, model.config.feature_width
+    per_call, once = FusedDraftStep(model), FusedDraftStep(model)
+    caches = [KVCache.allocate(1, rows, model.config.kv_heads, 16, model.config.head_dim, dtype) for _ in range(2)]
+    level_positions = target.image_positions(torch.arange(3, 6)).expand(rows, -1)  # (R, 3) levels 1..3
+    tables = once.rotary_per_column(level_positions)
+    widths = (1, 3, 2)
+    tree_mask = torch.rand(6, 6, generator=generator) < 0.5
+    tree_mask = (tree_mask | torch.eye(6, dtype=torch.bool)).tril().expand(rows, -1, -1)  # (R, 6, 6) with itself
+    bias = torch.zeros(tree_mask.shape, dtype=dtype).masked_fill_(~tree_mask, float("-inf"))
+    features = torch.randn(rows, 1, width, generator=generator).to(dtype)
+    start = 0
+    for level, count in enumerate(widths):
+        tokens = torch.randint(0, target.image_vocab_size, (rows, count), generator=generator)
+        positions = level_positions[:, level : level + 1].expand(rows, count)  # one level, one position
+        embeds = target.embed_image_tokens(tokens)
+        mask, level_bias = (
+            tree_mask[:, start : start + count, : start + count],
+            bias[:, start : start + count, : start + count],
+        )
+        with torch.no_grad():
+            expected = per_call(embeds, features, positions, mask, from_target=level == 0, cache=caches[0])
+            got = once(
+                embeds, features, positions, level_bias, from_target=level == 0, cache=caches[1], rotary=tables[level]
+            )
+        assert got.dtype == dtype and torch.equal(got, expected)
+        for cache in caches:
+            cache.advance(count)
+        features = expected[:, -1:].expand(rows, widths[level + 1] if level + 1 < len(widths) else 1, -1)
+        start += count
+    assert torch.equal(caches[0].entries, caches[1].entries)  # the same rotated keys
 
 
 def test_fused_weights_follow_an_optimizer_step():

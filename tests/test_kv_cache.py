@@ -49,3 +49,16 @@ def test_a_write_past_the_capacity_is_refused_with_the_sizes():
     cache.advance(3)
     with pytest.raises(ValueError, match="5 tokens do not fit its capacity of 4"):
         cache.write_entries(0, torch.zeros(1, 2, 2, 2))
+
+
+def test_columns_advanced_unmarked_stay_unattendable_and_truncate_as_marked_ones_do():
+    cache = KVCache.allocate(1, 2, 1, 8, 2)
+    cache.advance(torch.tensor([[True, False, True], [True, True, True]]))  # committed context
+    cache.advance(3, mark_valid=False)  # a static tree's levels: only the decoder's tree mask lets them be seen
+    assert cache.length == 6
+    assert torch.equal(cache.column_valid[:, 3:], torch.zeros(2, 5, dtype=torch.bool))
+    assert torch.equal(cache.column_valid[:, :3], torch.tensor([[True, False, True], [True, True, True]]))
+    cache.advance(1)
+    assert cache.column_valid[:, 6].all()
+    cache.truncate(3)
+    assert cache.length == 3 and not cache.column_valid[:, 3:].any()

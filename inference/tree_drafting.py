@@ -1,0 +1,324 @@
+"""Drafting a tree with a drafter (`inference.drafter.Drafter`) for one verification step (cascade.md §2.3).
+
+Three tree kinds, each one drafter call per level with children:
+
+- `draft_static_tree`: EAGLE-1's fixed shape (`StaticTreeSpec`), children drawn without replacement from
+  q (or q's top ranks, greedy); everything that depends only on the shape (level plans, the drafter's
+  whole-tree attention bias, the race draws of every level) is built once per tree or once per shape;
+- `draft_dynamic_tree`: EAGLE-2's expansion by cumulative log q, deterministic drafts;
+- `draft_sampled_dynamic_tree`: the same expansion with children drawn from q.
+
+q over the vocabulary is written once per tree for the nodes the drafter ran on (`q_over_nodes`).
+
+Shapes: B prompts, R rows (2B with CFG), W nodes of a level, M drafted nodes, N tree nodes, V vocabulary,
+K children per node, S the support of a `Proposal` (top-k).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from inference.drafter import DraftContext, attention_bias, to_rows
+from inference.sampling import Proposal
+from inference.tree import (
+    StaticTreeSpec,
+    Tree,
+    exponential_race,
+    gumbel_topk,
+    select,
+    select_dynamic_tree,
+    select_sampled_slots,
+)
+
+
+def draft_static_tree(
+    ctx: DraftContext,
+    spec: StaticTreeSpec,
+    root_token: Tensor,
+    root_q: Proposal,
+    root_hidden: Tensor,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tree:
+    """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
+
+    Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
+    rank order (deterministic drafts, q_cond = 1). One drafter call per level with children; each
+    level's nodes are contiguous, so its tokens and draw probabilities are gathered once and
+    concatenated at the end, and q over the vocabulary is written once for every inner node.
+
+    Args:
+        root_token: (B,); root_q: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
+    """
+    batch, device = root_token.shape[0], root_token.device
+    vocab = root_q.size
+    if spec.max_children > vocab:
+        raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
+    token_levels = [root_token[:, None]]  # per level (B, L)
+    q_levels = [torch.ones(batch, 1, device=device)]  # per level (B, L): conditional draw probabilities
+    inner_q = [root_q[:, None]]  # q of every node the drafter ran on, in node order: (B, W, k) per level
+    level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
+    tree_start = ctx.cache.length
+    # the drafter's whole mask for this tree, built once: the committed columns' validity, then the inner
+    # nodes' ancestor-or-self mask; each level passes its rows' slice (views, no mask built per level)
+    run_mask = spec.run_mask(device)  # (M, M)
+    rows, drafted = ctx.cache.rows, run_mask.shape[0]
+    attention = torch.cat(
+        [ctx.cache.column_valid[:, None, :tree_start].expand(rows, drafted, -1), run_mask.expand(rows, -1, -1)], dim=-1
+    )  # (R, M, tree_start + M)
+    # and as the additive bias attention adds, so that no drafter call converts its slice again
+    bias = attention_bias(attention, ctx.cache.entries.dtype)  # (R, M, tree_start + M)
+    # every level's race at once: level 1 draws from the root's q, level d from level d - 1's drafted rows
+    race = None
+    if not greedy and level_q.probs.shape[-1] >= spec.max_children:  # else the race runs over the vocabulary
+        race = exponential_race((batch, 1 + drafted, level_q.probs.shape[-1]), device, generator)  # (B, 1 + M, S)
+    race_rows = slice(0, 1)
+    for depth, level in enumerate(spec.plan(device), start=1):
+        if greedy:
+            draws = level_q.ranked(level.width)  # (B, W_prev, width), q_cond stays 1
+        else:  # (B, W_prev, width)
+            draws, probs = gumbel_topk(level_q, level.width, generator, None if race is None else race[:, race_rows])
+            q_levels.append(select(probs.flatten(1), level.draw))
+        level_tokens = select(draws.flatten(1), level.draw)  # (B, L)
+        token_levels.append(level_tokens)
+        if depth == spec.max_depth:
+            break
+        columns = tree_start + level.run_rows.stop
+        level_q, level_hidden = ctx.run_level(
+            select(level_hidden, level.hidden_slot),
+            select(level_tokens, level.expanded_slot),
+            depth,
+            tree_start,
+            attention[:, level.run_rows, tree_start:columns],  # the draft columns: `tree_mask` of `Drafter.forward`
+            bias[:, level.run_rows, :columns],  # (R, W, tree_start + J + W)
+        )
+        inner_q.append(level_q)
+        race_rows = slice(1 + level.run_rows.start, 1 + level.run_rows.stop)
+    structure = spec.structure(device)
+    q_cond = torch.ones(batch, spec.num_nodes, device=device) if greedy else torch.cat(q_levels, dim=1)
+    return Tree(
+        torch.cat(token_levels, dim=1),
+        structure.parents.expand(batch, -1),
+        structure.depths.expand(batch, -1),
+        q_cond,
+        q_over_nodes(inner_q, structure.inner_nodes, spec.num_nodes, vocab),
+        sampled=not greedy,
+        max_depth=spec.max_depth,
+        max_children=spec.max_children,
+    ).with_structure(structure)
+
+
+def q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
+    """q over the vocabulary at every node, (B, N, V): each drafted node's (`inner_q`, per level (B, W, .),
+    in the order of `inner_nodes`), zero elsewhere. `inner_nodes` is (I,), ascending (a static tree's inner
+    nodes), or (B, I) per row (a dynamic tree's), where N may stand for a dump row past the tree. Under
+    top-k one scatter writes them all."""
+    probs = torch.cat([q.probs for q in inner_q], dim=1)  # (B, I, k) or (B, I, V)
+    batch = probs.shape[0]
+    if probs.shape[1] != inner_nodes.shape[-1]:
+        raise ValueError(f"{probs.shape[1]} drafted nodes for a tree of {inner_nodes.shape[-1]} inner nodes")
+    if all(q.support is not None for q in inner_q):
+        support = torch.cat([q.support for q in inner_q if q.support is not None], dim=1)  # (B, I, k)
+        flat = (inner_nodes[..., None] * vocab + support).flatten(1)  # (B, I k) positions in the (N V) rows
+        return probs.new_zeros(batch, num_nodes * vocab).scatter_(1, flat, probs.flatten(1)).view(batch, num_nodes, -1)
+    dense = torch.cat([q.dense() for q in inner_q], dim=1)  # (B, I, V)
+    if inner_nodes.dim() == 1:
+        return dense.new_zeros(batch, num_nodes, vocab).index_copy_(1, inner_nodes, dense)
+    rows = inner_nodes[..., None].expand(-1, -1, vocab)  # (B, I, V)
+    return dense.new_zeros(batch, num_nodes, vocab).scatter_(1, rows, dense)
+
+
+@functools.lru_cache(maxsize=16)
+def _candidate_depths(top_k: int, depth: int, device: torch.device) -> Tensor:
+    """(M,) depth of every dynamic-tree candidate: top_k at depth 1, then top_k ** 2 per level, built once."""
+    counts = [top_k] + [top_k * top_k] * (depth - 1)
+    levels = [torch.full((count,), level, dtype=torch.long) for level, count in enumerate(counts, start=1)]
+    return torch.cat(levels).to(device)
+
+
+def draft_dynamic_tree(
+    ctx: DraftContext,
+    root_token: Tensor,
+    root: Proposal,
+    root_hidden: Tensor,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+) -> Tree:
+    """Draft an EAGLE-2 dynamic tree (cascade.md §2.3; peers.md §1.8). Drafts are deterministic (q = 1).
+
+    Level 1 is the top-k of q at the root; each further level expands the top-k frontier nodes by
+    their top-k children, scored by cumulative log q, and keeps the top-k as the next frontier;
+    finally the `total_tokens` best nodes (root included) form the tree. depth - 1 drafter calls.
+    Each level only ranks q's own support (under top-k) and notes which candidates it ran on; the
+    candidates' parents and depths and q over the vocabulary at the kept nodes are written once, at the end.
+
+    Args:
+        root_token: (B,); root: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
+    """
+    batch, vocab, device = root_token.shape[0], root.size, root_token.device
+    k = top_k
+    if k > vocab:
+        raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
+    scores, toks = _log_top(root, k)  # (B, K)
+    cand_tokens, cand_scores = [toks], [scores]
+    frontiers: list[Tensor] = []  # per level (B, K): the candidates the drafter ran on
+    ran_q = [root[:, None]]  # q of every node the drafter ran on: the root, then K per level
+    frontier = torch.arange(k, device=device).expand(batch, -1)  # (B, K) candidate ids
+    hidden_slot = torch.zeros(batch, k, dtype=torch.long, device=device)  # parent's slot in prev_hidden
+    prev_hidden = root_hidden[:, None]  # (R, 1, D)
+    anc = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)  # frontier parents' draft-column ancestry
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, -1, -1)
+    tree_start, base = ctx.cache.length, k  # base: candidates listed before this level's children
+    for level in range(1, depth):
+        rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
+        mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
+        proposal, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
+        anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
+        ran_q.append(proposal)
+        frontiers.append(frontier)
+        child_scores, child_tokens = _log_top(proposal, k)  # (B, K, K)
+        child_scores = scores[..., None] + child_scores
+        cand_tokens.append(child_tokens.flatten(1))  # (B, K*K)
+        cand_scores.append(child_scores.flatten(1))
+        scores, best = child_scores.flatten(1).topk(k, dim=-1)  # (B, K) next frontier, best first
+        toks = child_tokens.flatten(1).gather(1, best)
+        frontier, hidden_slot = base + best, best // k
+        base += k * k
+    ran = torch.cat(frontiers, dim=1) if frontiers else hidden_slot[:, :0]  # (B, (depth - 1) K) candidates run on
+    # a level's K*K children are listed by (frontier slot, rank): child i*K + j has parent frontier[i]
+    cand_parents = torch.cat(
+        [torch.full((batch, k), -1, dtype=torch.long, device=device), ran[..., None].expand(-1, -1, k).flatten(1)],
+        dim=1,
+    )  # fmt: skip
+    tokens, parents, depths, node_of = select_dynamic_tree(
+        root_token,
+        torch.cat(cand_tokens, 1),
+        torch.cat(cand_scores, 1),
+        cand_parents,
+        _candidate_depths(k, depth, device).expand(batch, -1),
+        total_tokens,
+    )
+    num_nodes = tokens.shape[1]
+    # q at the root (node 0) and at each candidate the drafter ran on that the tree kept; the others to a dump row
+    ran_nodes = node_of.gather(1, ran)  # (B, (depth - 1) K), -1 where not kept
+    nodes = torch.cat([torch.zeros_like(ran_nodes[:, :1]), torch.where(ran_nodes >= 0, ran_nodes, num_nodes)], 1)
+    q_full = q_over_nodes(ran_q, nodes, num_nodes + 1, vocab)[:, :num_nodes]
+    return Tree(
+        tokens,
+        parents,
+        depths,
+        torch.ones(tokens.shape, device=device),
+        q_full,
+        sampled=False,
+        max_depth=depth,
+        max_children=k,
+    )
+
+
+def _log_top(q: Proposal, k: int) -> tuple[Tensor, Tensor]:
+    """log q of q's k likeliest tokens (-1e30 for zeros, which keeps sums finite) and their ids, (..., k) each."""
+    probs, tokens = q.top(k)
+    return torch.where(probs > 0, probs.clamp_min(1e-30).log(), -1e30), tokens
+
+
+def draft_sampled_dynamic_tree(
+    ctx: DraftContext,
+    root_token: Tensor,
+    root: Proposal,
+    root_hidden: Tensor,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tree:
+    """Draft a sampled dynamic tree: EAGLE-2's expansion by cumulative log q, children drawn from q.
+
+    Every level holds W = (total_tokens - 1) // depth nodes (level 1 at most top_k). Which child slots a
+    level gets is decided before they are drawn (`inference.tree.select_sampled_slots`: parent's
+    cumulative log q plus the log of q's c-th largest probability), so each node's children are a
+    prefix of its draws without replacement and recursive rejection sampling verifies the tree
+    losslessly. Greedy settings take q's top ranks instead (deterministic drafts). depth - 1 drafter calls.
+
+    Args:
+        root_token: (B,); root: (B, V) processed drafter distribution at the root (`Proposal`);
+        root_hidden: (R, D) the drafter's hidden at the root.
+    """
+    root_q = root.dense()  # (B, V)
+    batch, vocab = root_q.shape
+    device = root_q.device
+    k = top_k
+    if k > vocab:
+        raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
+    width = (total_tokens - 1) // depth
+    if width < 1:
+        raise ValueError(f"total_tokens={total_tokens} gives no node per level for depth {depth}")
+    tokens, parents, q_conds, q_levels = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)], [], []
+    q_cond_root = torch.ones(batch, 1, device=device)
+    level_proposal, level_hidden = root[:, None], root_hidden[:, None]  # (B, M, .) q, (R, M, D) of this level
+    level_q = root_q[:, None]  # (B, M, V)
+    level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
+    anc = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # (B, M, J) draft-column ancestry
+    offset, tree_start = 0, ctx.cache.length
+    for level in range(1, depth + 1):
+        sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
+        level_width = min(width if level > 1 else min(width, k), sorted_q.shape[1] * k)  # known without a sync
+        count = select_sampled_slots(level_scores, sorted_q, level_width)
+        if greedy:
+            draws, cond = ranked, torch.ones_like(sorted_q)
+        else:
+            draws, cond = gumbel_topk(level_proposal, k, generator)  # (B, M, K) in draw order
+        chosen = torch.arange(k, device=device) < count[..., None]  # (B, M, K) a prefix per node
+        picked = (~chosen).flatten(1).float().argsort(dim=-1, stable=True)[:, :level_width]
+        parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
+        new_tokens = draws.flatten(1).gather(1, picked)
+        tokens.append(new_tokens)
+        parents.append(offset + parent_slot)
+        q_conds.append(cond.flatten(1).gather(1, picked).float())
+        child_q = level_q.gather(2, draws).flatten(1).gather(1, picked)  # q(x) under the parent
+        level_scores = level_scores.gather(1, parent_slot) + child_q.clamp_min(1e-30).log()
+        offset += level_q.shape[1]
+        if level == depth:
+            break
+        mask = torch.cat(
+            [
+                anc.gather(1, parent_slot[..., None].expand(-1, -1, anc.shape[2])),
+                _eye(batch, new_tokens.shape[1], device),
+            ],
+            dim=2,
+        )
+        rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])
+        level_proposal, level_hidden = ctx.run_level(
+            level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask
+        )
+        level_q = level_proposal.dense()  # (B, W, V)
+        q_levels.append(level_q)
+        anc = mask
+    all_tokens = torch.cat(tokens, 1)
+    num_nodes = all_tokens.shape[1]
+    q_full = torch.zeros(batch, num_nodes, vocab, device=device)
+    q_full[:, 0] = root_q
+    if q_levels:
+        inner = torch.cat(q_levels, 1)  # (B, nodes of levels 1..depth-1, V)
+        q_full[:, 1 : 1 + inner.shape[1]] = inner
+    depths = torch.cat([torch.full_like(t, d) for d, t in enumerate(tokens)], 1)
+    return Tree(
+        all_tokens,
+        torch.cat(parents, 1),
+        depths,
+        torch.cat([q_cond_root, *q_conds], 1),
+        q_full,
+        sampled=not greedy,
+        max_depth=depth,
+        max_children=k,
+    )
+
+
+def _eye(batch: int, size: int, device: torch.device) -> Tensor:
+    return torch.eye(size, dtype=torch.bool, device=device).expand(batch, -1, -1)
