@@ -170,11 +170,11 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
 
 
-def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]:
+def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, Tensor]:
     """Every node's tests, as if all its children were rejected in turn.
 
     Returns a0 (B, I, K) the rule's acceptance probability of each child, want (B, I, K) the extra a
-    budgeted rule asks for (zeros otherwise), and the residual after all children (B, I, V).
+    budgeted rule asks for (None for the others), and the residual after all children (B, I, V).
     """
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
     p = inputs.probs  # (B, I, V)
@@ -183,7 +183,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
     if not tree.sampled and at_once is not None:  # removals only: every slot at once, no loop
         slots, residual = removal_slots(inputs)
         a0, want = at_once(inputs, state, slots)
-        return a0 * usable, (torch.zeros_like(a0) if want is None else want * usable), residual
+        return a0 * usable, (None if want is None else want * usable), residual
     q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
     if inputs.kid_q is not None:  # sampled: (B, I, K) each child's draw probability; 1 where untested, so
         q_kids = inputs.kid_q.masked_fill(~usable, 1.0)  # rules divide unguarded
@@ -198,13 +198,14 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor, Tensor]
         slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_kids[..., c], q_draw)
         a0, want = rule.acceptance(inputs, state, slot)
         a0s.append(a0 * use)
-        wants.append(want * use if want is not None else torch.zeros_like(a0))
+        if want is not None:  # budgeted rules only
+            wants.append(want * use)
         # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
         p = torch.lerp(p, normalise_or_uniform(rule.rejection(inputs, state, slot)), use[..., None].to(p.dtype))
         if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
             q_left = q_left.scatter(2, x[..., None], 0.0)
-    return torch.stack(a0s, -1), torch.stack(wants, -1), p
+    return torch.stack(a0s, -1), torch.stack(wants, -1) if wants else None, p
 
 
 def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
@@ -249,21 +250,23 @@ def verify(
     rows = torch.arange(batch, device=device)
     paths = tree.paths  # (B, N, P) root-to-node paths, -1 padded
     on_path = paths >= 0
+    charge: Tensor | None = None  # (B, I, K) the budget each test takes, budgeted rules only
     if greedy:
         passed = _greedy_tests(rule, inputs, _greedy_tokens(view))
-        charge = torch.zeros_like(inputs.children, dtype=inputs.probs.dtype)
         tested = inputs.usable
         chance = passed.float()
     else:
         a0, want, residual = slot_tables(rule, inputs)
-        charge = _budget(rule, tree, inputs, want)
-        chance = (a0 + charge).clamp_max(1.0)  # (B, I, K)
+        # only a budgeted rule asks for more than a0 (<= 1): the others' chance is a0 and they charge nothing
+        charge = _budget(rule, tree, inputs, want) if want is not None and isinstance(rule, CascadeRule) else None
+        chance = a0 if charge is None else (a0 + charge).clamp_max(1.0)  # (B, I, K)
         parent_depth = inputs.at_parents(tree.depths)[..., None].clamp_max(tree.max_depth - 1).expand(-1, -1, width)
         draws = uniforms.accept.gather(1, parent_depth)  # (B, I, K)
         ok = inputs.usable & (draws < chance)
-        first = ok & (ok.long().cumsum(-1) == 1)  # the first accepted child of every node
+        accepted_so_far = ok.long().cumsum(-1)  # (B, I, K) accepted children up to and including each slot
+        first = ok & (accepted_so_far == 1)  # the first accepted child of every node
         passed = first
-        tested = inputs.usable & (ok.long().cumsum(-1) - ok.long() == 0)  # tests made: up to the first accept
+        tested = inputs.usable & ((accepted_so_far == 0) | first)  # tests made: up to the first accept
     # A node is accepted iff it passed its parent's test and so did every ancestor; take the deepest.
     node_passed = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=device)
     node_passed.scatter_(1, torch.where(inputs.children >= 0, inputs.children, num_nodes).flatten(1), passed.flatten(1))
@@ -278,7 +281,10 @@ def verify(
     walk_ok, walk_rows = walk >= 0, walk.clamp_min(0)
     made = tested[rows[:, None], walk_rows] & walk_ok[..., None]  # (B, P, K)
     accept_prob = torch.where(made, chance[rows[:, None], walk_rows], float("nan"))[:, : tree.max_depth]
-    tv_charged = (charge[rows[:, None], walk_rows] * made).sum((1, 2))
+    if charge is None:
+        tv_charged = torch.zeros(batch, device=device)
+    else:
+        tv_charged = (charge[rows[:, None], walk_rows] * made).sum((1, 2))
     ends_at_leaf = None
     if view.node_row is not None:
         ends_at_leaf, last_row = last_row < 0, last_row.clamp_min(0)  # (B,) the view does not cover the last node
@@ -297,10 +303,8 @@ def verify(
     return Verdict(last_node, tree.depths[rows, last_node], next_token, tv_charged, accept_prob, final)
 
 
-def _budget(rule: Rule, tree: Tree, inputs: TreeInputs, want: Tensor) -> Tensor:
+def _budget(rule: CascadeRule, tree: Tree, inputs: TreeInputs, want: Tensor) -> Tensor:
     """Charges (B, I, K) granted in test order along every walk, within the rule's TV budget (CASCADE)."""
-    if not isinstance(rule, CascadeRule):
-        return torch.zeros_like(want)
     want = want * inputs.usable
     before_here = want.cumsum(-1) - want  # (B, I, K) wants of earlier siblings
     # what the tests that lead to node n took, uncapped: for each ancestor edge, the parent's earlier
