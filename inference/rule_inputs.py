@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from inference.tree import Tree, select
+from inference.tree import Tree, WalkTables, select
 
 
 @dataclass
@@ -45,6 +45,11 @@ class TreeInputs:
     kid_q: Tensor | None = None  # (B, I, K) each child's conditional draw probability (sampled trees)
     node_row: Tensor | None = None  # (N + 1,) int64 each node's row when `nodes` is set (-1: none, and at index N)
 
+    @property
+    def tables(self) -> WalkTables:
+        """The tree's index tables over these parents (built once per tree, or per static shape)."""
+        return self.tree.walk_tables(self.nodes)
+
     def at_parents(self, x: Tensor) -> Tensor:
         """Per-node values (B, N, ...) -> (B, I, ...) at the parent nodes."""
         return select(x, self.nodes)
@@ -58,7 +63,7 @@ class TreeInputs:
 
     def at_children(self, x: Tensor) -> Tensor:
         """Per-node values (B, N) -> (B, I, K): each child slot's node's value (node 0's on empty slots)."""
-        return x.gather(1, self.children.clamp_min(0).flatten(1)).view_as(self.children)
+        return x.gather(1, self.tables.child_index).view_as(self.children)
 
 
 @dataclass

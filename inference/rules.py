@@ -24,6 +24,7 @@ D feature width, L neighbour-table width, C candidate tokens per slot (2K + 1), 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,7 +258,7 @@ def children_in_nucleus(inputs: TreeInputs, mass: float) -> Tensor:
     (every static tree preset) is tested once per slot, where those ops would save little."""
     if inputs.children.numel() <= 4 * inputs.tree.tokens.numel():
         return in_nucleus(inputs.probs, inputs.kid_tokens, mass)
-    rows = torch.arange(inputs.probs.shape[0], device=inputs.probs.device)[:, None]
+    rows = inputs.tables.rows[:, None]
     at_parent = inputs.probs[rows, inputs.parent_row()]  # (B, N, V); the root reads row 0, a don't-care
     return inputs.at_children(in_nucleus(at_parent, inputs.tree.tokens[..., None], mass)[..., 0])
 
@@ -321,11 +322,11 @@ class CascadeRule:
     def prepare(self, inputs: TreeInputs) -> CascadeSets:
         if inputs.features is None:
             raise ValueError("the cascade rule needs TargetView.features (see speculative.build_target_view)")
-        tree, children, usable = inputs.tree, inputs.children, inputs.usable
-        batch, num_parents, width = children.shape
-        rows = torch.arange(batch, device=children.device)[:, None]
+        tree, children, usable, tables = inputs.tree, inputs.children, inputs.usable, inputs.tables
+        width = children.shape[-1]
+        rows = tables.rows[:, None]
         feats = centred_unit(inputs.features)  # (B, N, D): cosines become dot products
-        kid = children.clamp_min(0)  # (B, I, K)
+        kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0
         kid_feats = feats[rows[..., None], kid]  # (B, I, K, D)
         to_parent = (kid_feats * inputs.at_parents(feats)[:, :, None]).sum(-1)  # (B, I, K): sim(F[x], F[u])
         if self.conv_mode == "sibling":
@@ -341,16 +342,14 @@ class CascadeRule:
         siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, K)
         sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, I, K, K)
         interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :] & self.use_interchangeability
-        grand_kids = tree.children.gather(1, kid.flatten(1)[..., None].expand(-1, -1, width))
-        grand_kids = grand_kids.view(batch, num_parents, width, width)  # (B, I, K, K) children of each child
-        grand_kids = torch.where((children >= 0)[..., None], grand_kids, -1)
+        grand_kids = tables.grandchildren  # (B, I, K, K) children of each child
         grand_tokens = tree.tokens.gather(1, grand_kids.clamp_min(0).flatten(1)).view_as(grand_kids)
         own = inputs.at_parents(tree.tokens)[:, :, None, None].expand(-1, -1, width, 1)  # (B, I, K, 1) parent's token
         candidates = torch.cat([siblings, grand_tokens, own], dim=-1)  # (B, I, K, C)
         adjacent = torch.cat([(grand_kids >= 0), torch.ones_like(own, dtype=torch.bool)], dim=-1)
         pooled = torch.cat([interchangeable, adjacent & converged[..., None]], dim=-1)
         pooled &= candidates != inputs.kid_tokens[..., None]  # never x itself
-        earlier = torch.ones(pooled.shape[-1], pooled.shape[-1], dtype=torch.bool, device=pooled.device).tril(-1)
+        earlier = _tril_below(pooled.shape[-1], pooled.device)  # (C, C)
         repeat = ((candidates[..., :, None] == candidates[..., None, :]) & pooled[..., None, :] & earlier).any(-1)
         pooled &= ~repeat  # each token pooled once
         eligible = usable.clone()
@@ -392,6 +391,12 @@ class CascadeRule:
         return a0, ((relaxed - a0) * state.eligible).clamp_min(0.0)
 
 
+@functools.lru_cache(maxsize=16)
+def _tril_below(size: int, device: torch.device) -> Tensor:
+    """(size, size) bool [i, j]: j < i, built once per size and device (a constant, never written to)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1)
+
+
 @dataclass
 class CascadeDevState:
     """Per-slot inputs of the development rule, built once per verification step."""
@@ -421,13 +426,13 @@ class CascadeDevRule:
     def prepare(self, inputs: TreeInputs) -> CascadeDevState:
         if inputs.features is None:
             raise ValueError("cascade-dev needs TargetView.features (see speculative.build_target_view)")
-        tree, children = inputs.tree, inputs.children
-        rows = torch.arange(children.shape[0], device=children.device)[:, None, None]
-        kid = children.clamp_min(0)
+        tree, children, tables = inputs.tree, inputs.children, inputs.tables
+        rows = tables.rows[:, None, None]
+        kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0
         states = inputs.features.float().softmax(-1)  # (B, N, D) softmaxed last-layer states
         states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         s = (states[rows, kid] * inputs.at_parents(states)[:, :, None]).sum(-1)  # (B, I, K) node vs parent
-        deep = tree.depths.gather(1, kid.flatten(1)).view_as(kid) >= 2
+        deep = inputs.at_children(tree.depths) >= 2
         convergence = torch.where((s > self.sim_threshold) & deep & inputs.usable, s, 0.0)
         q = tree.q_full.float()[rows, kid]  # (B, I, K, V) drafter distribution at each child
         q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)

@@ -302,7 +302,7 @@ def _commit(
     verdict_last: Tensor,
     num_accepted: Tensor,
     bonus: Tensor,
-    width: int,
+    offsets: Tensor,
     cache: KVCache,
     tree_start: int,
     feats: Tensor,
@@ -311,20 +311,20 @@ def _commit(
     live: Tensor,
     num_tokens: int,
 ) -> _Pending:
-    """Step 5: keep the accepted path's target KV entries; return the pairs the drafter reads next."""
-    batch = tree.tokens.shape[0]
+    """Step 5: keep the accepted path's target KV entries; return the pairs the drafter reads next.
+    offsets: arange(width), width = the longest accepted path plus one (the commit width, read on the host)."""
+    batch, width = tree.tokens.shape[0], offsets.shape[0]
     rows = torch.arange(batch, device=bonus.device)
     pad = torch.full((batch, 1), -1, dtype=torch.long, device=bonus.device)
     path = torch.cat([tree.paths[rows, verdict_last], pad], dim=1)[:, : width + 1]  # (B, width + 1)
-    on_path = path[:, :width] >= 0
-    keep = on_path & live[:, None]  # a finished image's root would otherwise stay valid every step and fill the cache
-    cache.keep_columns(tree_start, to_rows(tree_start + path[:, :width].clamp_min(0), cfg), to_rows(keep, cfg))
-    step = torch.arange(width, device=bonus.device).expand(batch, -1)  # (B, width)
-    following = tree.tokens.gather(1, path[:, 1:].clamp_min(0))  # token after each path node
-    following = torch.where(step == num_accepted[:, None], bonus[:, None], following)
-    features = feats.gather(1, to_rows(path[:, :width].clamp_min(0), cfg)[..., None].expand(-1, -1, feats.shape[-1]))
-    index = (root_index[:, None] + 1 + step).clamp_max(num_tokens - 1)  # padding may run past the image end
-    return _Pending(features, following, index, on_path & live[:, None])
+    nodes = path.clamp_min(0)  # (B, width + 1) the path's nodes, padding at the root
+    keep = (path[:, :width] >= 0) & live[:, None]  # a finished image's root would otherwise stay valid, fill the cache
+    cache.keep_columns(tree_start, to_rows(tree_start + nodes[:, :width], cfg), to_rows(keep, cfg))
+    following = tree.tokens.gather(1, nodes[:, 1:])  # token after each path node
+    following = torch.where(offsets == num_accepted[:, None], bonus[:, None], following)
+    features = feats.gather(1, to_rows(nodes[:, :width], cfg)[..., None].expand(-1, -1, feats.shape[-1]))
+    index = (root_index[:, None] + 1 + offsets).clamp_max(num_tokens - 1)  # padding may run past the image end
+    return _Pending(features, following, index, keep)
 
 
 @torch.no_grad()
@@ -414,7 +414,8 @@ def generate_speculative(
             num_accepted = torch.where(live, verdict.num_accepted, 0)
             # Host sync, once per step: the commit width and whether every image is complete, packed in one read.
             new_count = count + num_accepted + 1  # finished rows: count + 1, past the end
-            packed = ((num_accepted.max() + 1) * _FIELD + new_count.min()) * _FIELD + new_count.max()
+            least_count, most_count = new_count.aminmax()
+            packed = ((num_accepted.max() + 1) * _FIELD + least_count) * _FIELD + most_count
             width, least_most = divmod(int(packed), _FIELD * _FIELD)
             least, most = divmod(least_most, _FIELD)
             pending = _commit(
@@ -422,7 +423,7 @@ def generate_speculative(
                 verdict.last_node,
                 num_accepted,
                 verdict.next_token,
-                width,
+                offsets := torch.arange(width, device=count.device),
                 target_cache,
                 tree_start,
                 target_features(out, drafter),
@@ -431,7 +432,7 @@ def generate_speculative(
                 live,
                 num_tokens,
             )  # step 5
-            valid_slots = count[:, None] + torch.arange(width, device=count.device)
+            valid_slots = count[:, None] + offsets
             slots = valid_slots.where(pending.valid, tokens.shape[1] - 1)
             tokens.scatter_(1, slots, pending.tokens)
             count = torch.where(live, new_count, count)

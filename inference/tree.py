@@ -9,9 +9,12 @@ so the children of a node appear in draw order (static, sampled drafts) or draft
 - Static trees (`StaticTreeSpec`, e.g. `NAIVE_EXTEND_57`) fix the shape: a node is the c-th child of
   its parent, and it receives the parent's c-th draw from the drafter distribution q.
 - Dynamic trees (EAGLE-2) grow the top-k frontier by cumulative log q and keep the best
-  `total_tokens` nodes; their shape differs per row. `select_dynamic_tree` is the pure selection step.
+  `total_tokens` nodes; their shape differs per row (drafting and its selection steps:
+  `inference.tree_drafting`).
 
-Everything here is a pure tensor function over a batch of trees, vectorised per depth.
+A `Tree` carries the tables that verification reads off its shape (`WalkTables`), built once per tree,
+or once per static shape and batch. Everything else here is a pure tensor function over a batch of
+trees, vectorised per depth.
 
 Shapes: B prompts (one tree per prompt; the CFG rows share it), N tree nodes (root included),
 V vocabulary, K top-k / children per node, M dynamic-tree candidates, P path length (max depth + 1),
@@ -27,8 +30,6 @@ from functools import cached_property
 
 import torch
 from torch import Tensor
-
-from inference.sampling import Proposal
 
 # LANTERN's default static tree (jadohu/LANTERN models/drafters/choices.py; cascade.md §2.3): 57 draft
 # nodes, depth 5, level sizes 5/13/16/14/9. A path [c1, c2, ...] is the c2-th child of the c1-th child.
@@ -97,6 +98,8 @@ class Tree:
     # (static trees); None = unknown, every node may have children
     inner_row: Tensor | None = None  # (N + 1,) int64 each node's position in inner_nodes, -1 for a leaf;
     # a trailing -1 so that -1 padded paths index it
+    walk_memo: dict[bool, WalkTables] | None = None  # `walk_tables` already built: shared by every tree of one
+    # static shape and batch (`StaticTreeSpec.walk_memo`); None = this tree's own, built at first use
 
     @property
     def num_nodes(self) -> int:
@@ -118,15 +121,77 @@ class Tree:
         Read off `attention_mask`, which the target forward over the tree has built already."""
         return ancestor_paths(self.attention_mask, self.depths, self.max_depth)
 
-    def with_structure(self, structure: TreeStructure) -> Tree:
+    def walk_tables(self, nodes: Tensor | None) -> WalkTables:
+        """Verification's index tables over the parents `nodes` (None = every node), built once per tree,
+        or once per static shape and batch (`walk_memo`)."""
+        if self.walk_memo is None:
+            self.walk_memo = {}
+        key = nodes is None  # a static tree's parents are its inner nodes, or every node
+        if key not in self.walk_memo:
+            self.walk_memo[key] = WalkTables.build(self, nodes)
+        return self.walk_memo[key]
+
+    def with_structure(self, structure: TreeStructure, walk_memo: dict[bool, WalkTables] | None = None) -> Tree:
         """Set `attention_mask`, `children` and `paths` from tables built once for a fixed shape (static
-        trees), instead of from `parents` at every step; returns self."""
+        trees), instead of from `parents` at every step, and share `walk_memo`; returns self."""
+        self.walk_memo = walk_memo
         batch = self.tokens.shape[0]
         self.__dict__["attention_mask"] = structure.attention_mask.expand(batch, -1, -1)
         self.__dict__["children"] = structure.children.expand(batch, -1, -1)
         self.__dict__["paths"] = structure.paths.expand(batch, -1, -1)
         self.inner_nodes, self.inner_row = structure.inner_nodes, structure.inner_row
         return self
+
+
+@dataclass
+class WalkTables:
+    """What verification reads off a tree's shape over the parent nodes it tests (`Tree.walk_tables`): index
+    tables that depend on the shape only, so a static tree builds them once, not at every step.
+
+    I parent nodes (`nodes`, or all N), K child slots, P path length; rows the batch B."""
+
+    rows: Tensor  # (B,) arange
+    children: Tensor  # (B, I, K) children in test order, -1 padded
+    has_child: Tensor  # (B, I, K) bool: children >= 0
+    child_index: Tensor  # (B, I K) children, padding at node 0: the index of a gather at the children
+    child_or_dump: Tensor  # (B, I K) children, padding at a dump column N: the index of a scatter to them
+    uniform_row: Tensor  # (B, I, K) each slot's parent depth, capped at max_depth - 1: its `Uniforms` row
+    path_index: Tensor  # (B, N P) root-to-node paths, padding at node 0
+    off_path: Tensor  # (B, N, P) bool: the paths' padding
+    deepest_first: Tensor  # (B, N) depth * (N + 1) - n: its argmax over a set of nodes is the deepest, first in order
+    parent_path_index: Tensor  # (B, I P) the parents' paths, padding at node 0
+    parent_on_path: Tensor  # (B, I, P) bool: not padding
+    all_children: Tensor  # (B, N, K) the children of every node, -1 padded (`Tree.children`)
+    slot_before: Tensor  # (K, K) bool [c, c']: slot c' comes before slot c
+
+    @classmethod
+    def build(cls, tree: Tree, nodes: Tensor | None) -> WalkTables:
+        children = select(tree.children, nodes)  # (B, I, K)
+        num_nodes, width, has_child = tree.num_nodes, children.shape[-1], children >= 0
+        paths, parent_paths = tree.paths, select(tree.paths, nodes)  # (B, N, P), (B, I, P)
+        return cls(
+            rows=torch.arange(children.shape[0], device=children.device),
+            children=children,
+            has_child=has_child,
+            child_index=children.clamp_min(0).flatten(1),
+            child_or_dump=torch.where(has_child, children, num_nodes).flatten(1),
+            uniform_row=select(tree.depths, nodes)[..., None].clamp_max(tree.max_depth - 1).expand_as(children),
+            path_index=paths.clamp_min(0).flatten(1),
+            off_path=paths < 0,
+            deepest_first=tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=children.device),
+            parent_path_index=parent_paths.clamp_min(0).flatten(1),
+            parent_on_path=parent_paths >= 0,
+            all_children=tree.children,
+            slot_before=torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1),
+        )
+
+    @cached_property
+    def grandchildren(self) -> Tensor:
+        """(B, I, K, K) the children of every child slot, -1 padded (and -1 under an empty slot)."""
+        batch, parents, width = self.children.shape
+        index = self.child_index[..., None].expand(-1, -1, width)  # (B, I K, K)
+        grandchildren = self.all_children.gather(1, index).view(batch, parents, width, width)
+        return torch.where(self.has_child[..., None], grandchildren, -1)
 
 
 @dataclass(frozen=True)
@@ -279,6 +344,12 @@ class StaticTreeSpec:
             inner_row.to(device),
         )
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a frozen spec, a handful of devices and batch sizes
+    def walk_memo(self, device: torch.device, batch: int) -> dict[bool, WalkTables]:
+        """The `Tree.walk_memo` every tree of this shape on `device` with `batch` rows shares: verification's
+        index tables, built at the first step and read at every later one."""
+        return {}
+
     def expanded(self, depth: int) -> list[int]:
         """Nodes at `depth` that have children: the ones the drafter must run on."""
         has_children = set(self.parents[1:])
@@ -349,108 +420,3 @@ def leaf_paths(tree: Tree) -> tuple[Tensor, Tensor]:
 def tree_positions(depths: Tensor, root_index: Tensor) -> Tensor:
     """Image-token index of every node: the root's index plus the depth. (B, N), (B,) -> (B, N)."""
     return root_index[:, None] + depths
-
-
-def exponential_race(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> Tensor:
-    """Exp(1) draws of shape `shape` for `gumbel_topk`'s race (fp32). A zero draw (if a device's sampler ever
-    returned one) is clamped to the smallest normal number, so that q / draw never makes 0 / 0 = NaN."""
-    race = torch.empty(shape, device=device, dtype=torch.float32).exponential_(generator=generator)
-    return race.clamp_min_(torch.finfo(torch.float32).tiny)
-
-
-def gumbel_topk(
-    q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
-
-    Args:
-        q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
-            then runs over S tokens instead of V, with the same distribution (q is 0 elsewhere).
-        race: `exponential_race` draws of q's shape, drawn before (a static tree draws every level's at
-            once); None = draw them here.
-    Returns:
-        tokens (..., k) int64 and their conditional draw probabilities
-        q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
-        Tokens with q = 0 come last and get probability 0.
-    """
-    weights, support = q.probs, q.support  # (..., S) or (..., V)
-    if support is not None and support.shape[-1] < k:
-        weights, support = q.dense(), None  # fewer candidates than draws: race over the whole vocabulary
-    weights = weights.float()
-    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last
-    if race is None:
-        race = exponential_race(weights.shape, weights.device, generator)
-    elif race.shape != weights.shape:
-        raise ValueError(f"race draws of shape {tuple(race.shape)} for probabilities of shape {tuple(weights.shape)}")
-    ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
-    tokens = ranked if support is None else support.gather(-1, ranked)
-    picked = weights.gather(-1, ranked)  # (..., k) q of the drawn tokens, in draw order
-    # one draw: nothing drawn before it, so its conditional probability is q itself (no arithmetic to pay for)
-    return tokens, picked if k == 1 else conditional_draw_probs(picked)
-
-
-def conditional_draw_probs(picked: Tensor) -> Tensor:
-    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order, from picked = q(x_c) (..., k) fp32 -> (..., k)."""
-    before = picked.cumsum(-1) - picked
-    return (picked / (1 - before).clamp_min(1e-12)).clamp(0, 1)
-
-
-def select_dynamic_tree(
-    root_token: Tensor,
-    cand_tokens: Tensor,
-    cand_scores: Tensor,
-    cand_parents: Tensor,
-    cand_depths: Tensor,
-    num_nodes: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """EAGLE-2's final step: keep the root and the num_nodes - 1 best-scoring candidates (cascade.md §2.3).
-
-    Candidates are listed level by level, each level ordered by (parent, rank), so a parent always
-    precedes its children. Scores are cumulative log q and never increase along a path; a stable
-    descending sort therefore keeps every kept node's parent (ties go to the earlier, shallower
-    candidate), and sorting the kept ids restores the parents-first order.
-
-    Args:
-        root_token: (B,). cand_tokens, cand_scores, cand_parents, cand_depths: (B, M); cand_parents
-            index candidates, -1 for children of the root.
-    Returns:
-        tokens, parents, depths (B, N) and node_of_candidate (B, M) int64 (-1 where not kept).
-    """
-    batch, num_candidates = cand_tokens.shape
-    if not 1 <= num_nodes - 1 <= num_candidates:
-        raise ValueError(f"total_tokens={num_nodes} needs 2..{num_candidates + 1} nodes (root included)")
-    scores = cand_scores.float().nan_to_num(neginf=-1e30)
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : num_nodes - 1]  # (B, N-1)
-    kept = order.sort(dim=-1).values  # (B, N-1) parents-first
-    device = cand_tokens.device
-    node_of = torch.full((batch, num_candidates + 1), -1, dtype=torch.long, device=device)
-    node_of[:, :num_candidates].scatter_(1, kept, torch.arange(1, num_nodes, device=device).expand(batch, -1))
-    parent_cand = cand_parents.gather(1, kept)  # (B, N-1)
-    parent_node = torch.where(parent_cand >= 0, node_of.gather(1, parent_cand.clamp_min(0)), 0)
-    tokens = torch.cat([root_token[:, None], cand_tokens.gather(1, kept)], dim=1)
-    parents = torch.cat([torch.full_like(root_token[:, None], -1), parent_node], dim=1)
-    depths = torch.cat([torch.zeros_like(root_token[:, None]), cand_depths.gather(1, kept)], dim=1)
-    return tokens, parents, depths, node_of[:, :num_candidates]
-
-
-def select_sampled_slots(parent_scores: Tensor, sorted_q: Tensor, width: int) -> Tensor:
-    """Which child slots a sampled dynamic tree draws at the next level (EAGLE-2 expansion, sampled).
-
-    Candidate slot (n, c) = the c-th draw of node n; its score is n's cumulative log q plus the log of
-    q(n)'s c-th largest probability, known before anything is drawn. The `width` best slots are kept
-    (stable: ties go to the earlier node, then the lower rank), so every node keeps a prefix of its
-    draw order, decided from what was drawn before: recursive rejection sampling stays lossless.
-
-    Args:
-        parent_scores: (B, M) cumulative log q of the M nodes of the current level (-inf: absent).
-        sorted_q: (B, M, K) each node's K largest drafter probabilities, descending.
-    Returns:
-        (B, M) int64: how many children each node draws (a prefix of its draw order). Slots past a
-        node's support (q = 0) sort last; if taken they are drawn with probability 0 and never tested.
-    """
-    batch, nodes, k = sorted_q.shape
-    scores = parent_scores[..., None] + sorted_q.clamp_min(1e-30).log()  # (B, M, K)
-    scores = scores.masked_fill(sorted_q <= 0, float("-inf")).flatten(1)
-    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width)
-    chosen = torch.zeros(batch, nodes * k, dtype=torch.bool, device=scores.device)
-    return chosen.scatter_(1, best, True).view(batch, nodes, k).sum(-1)

@@ -8,7 +8,9 @@ Three tree kinds, each one drafter call per level with children:
 - `draft_dynamic_tree`: EAGLE-2's expansion by cumulative log q, deterministic drafts;
 - `draft_sampled_dynamic_tree`: the same expansion with children drawn from q.
 
-q over the vocabulary is written once per tree for the nodes the drafter ran on (`q_over_nodes`).
+q over the vocabulary is written once per tree for the nodes the drafter ran on (`q_over_nodes`). The
+samplers they share: `gumbel_topk` (draws without replacement, with its `exponential_race`) and the
+dynamic trees' selections (`select_dynamic_tree`, `select_sampled_slots`).
 
 Shapes: B prompts, R rows (2B with CFG), W nodes of a level, M drafted nodes, N tree nodes, V vocabulary,
 K children per node, S the support of a `Proposal` (top-k).
@@ -23,15 +25,7 @@ from torch import Tensor
 
 from inference.drafter import DraftContext, attention_bias, to_rows
 from inference.sampling import Proposal
-from inference.tree import (
-    StaticTreeSpec,
-    Tree,
-    exponential_race,
-    gumbel_topk,
-    select,
-    select_dynamic_tree,
-    select_sampled_slots,
-)
+from inference.tree import StaticTreeSpec, Tree, select
 
 
 def draft_static_tree(
@@ -109,7 +103,7 @@ def draft_static_tree(
         sampled=not greedy,
         max_depth=spec.max_depth,
         max_children=spec.max_children,
-    ).with_structure(structure)
+    ).with_structure(structure, spec.walk_memo(device, batch))
 
 
 def q_over_nodes(inner_q: list[Proposal], inner_nodes: Tensor, num_nodes: int, vocab: int) -> Tensor:
@@ -241,7 +235,7 @@ def draft_sampled_dynamic_tree(
     """Draft a sampled dynamic tree: EAGLE-2's expansion by cumulative log q, children drawn from q.
 
     Every level holds W = (total_tokens - 1) // depth nodes (level 1 at most top_k). Which child slots a
-    level gets is decided before they are drawn (`inference.tree.select_sampled_slots`: parent's
+    level gets is decided before they are drawn (`select_sampled_slots`: parent's
     cumulative log q plus the log of q's c-th largest probability), so each node's children are a
     prefix of its draws without replacement and recursive rejection sampling verifies the tree
     losslessly. Greedy settings take q's top ranks instead (deterministic drafts). depth - 1 drafter calls.
@@ -322,3 +316,108 @@ def draft_sampled_dynamic_tree(
 
 def _eye(batch: int, size: int, device: torch.device) -> Tensor:
     return torch.eye(size, dtype=torch.bool, device=device).expand(batch, -1, -1)
+
+
+def exponential_race(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """Exp(1) draws of shape `shape` for `gumbel_topk`'s race (fp32). A zero draw (if a device's sampler ever
+    returned one) is clamped to the smallest normal number, so that q / draw never makes 0 / 0 = NaN."""
+    race = torch.empty(shape, device=device, dtype=torch.float32).exponential_(generator=generator)
+    return race.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def gumbel_topk(
+    q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
+
+    Args:
+        q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
+            then runs over S tokens instead of V, with the same distribution (q is 0 elsewhere).
+        race: `exponential_race` draws of q's shape, drawn before (a static tree draws every level's at
+            once); None = draw them here.
+    Returns:
+        tokens (..., k) int64 and their conditional draw probabilities
+        q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
+        Tokens with q = 0 come last and get probability 0.
+    """
+    weights, support = q.probs, q.support  # (..., S) or (..., V)
+    if support is not None and support.shape[-1] < k:
+        weights, support = q.dense(), None  # fewer candidates than draws: race over the whole vocabulary
+    weights = weights.float()
+    # log q + Gumbel ranks as q / Exp(1) does (the exponential race): no logs. q = 0 keys 0, last
+    if race is None:
+        race = exponential_race(weights.shape, weights.device, generator)
+    elif race.shape != weights.shape:
+        raise ValueError(f"race draws of shape {tuple(race.shape)} for probabilities of shape {tuple(weights.shape)}")
+    ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
+    tokens = ranked if support is None else support.gather(-1, ranked)
+    picked = weights.gather(-1, ranked)  # (..., k) q of the drawn tokens, in draw order
+    # one draw: nothing drawn before it, so its conditional probability is q itself (no arithmetic to pay for)
+    return tokens, picked if k == 1 else conditional_draw_probs(picked)
+
+
+def conditional_draw_probs(picked: Tensor) -> Tensor:
+    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order, from picked = q(x_c) (..., k) fp32 -> (..., k)."""
+    before = picked.cumsum(-1) - picked
+    return (picked / (1 - before).clamp_min(1e-12)).clamp(0, 1)
+
+
+def select_dynamic_tree(
+    root_token: Tensor,
+    cand_tokens: Tensor,
+    cand_scores: Tensor,
+    cand_parents: Tensor,
+    cand_depths: Tensor,
+    num_nodes: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """EAGLE-2's final step: keep the root and the num_nodes - 1 best-scoring candidates (cascade.md §2.3).
+
+    Candidates are listed level by level, each level ordered by (parent, rank), so a parent always
+    precedes its children. Scores are cumulative log q and never increase along a path; a stable
+    descending sort therefore keeps every kept node's parent (ties go to the earlier, shallower
+    candidate), and sorting the kept ids restores the parents-first order.
+
+    Args:
+        root_token: (B,). cand_tokens, cand_scores, cand_parents, cand_depths: (B, M); cand_parents
+            index candidates, -1 for children of the root.
+    Returns:
+        tokens, parents, depths (B, N) and node_of_candidate (B, M) int64 (-1 where not kept).
+    """
+    batch, num_candidates = cand_tokens.shape
+    if not 1 <= num_nodes - 1 <= num_candidates:
+        raise ValueError(f"total_tokens={num_nodes} needs 2..{num_candidates + 1} nodes (root included)")
+    scores = cand_scores.float().nan_to_num(neginf=-1e30)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, : num_nodes - 1]  # (B, N-1)
+    kept = order.sort(dim=-1).values  # (B, N-1) parents-first
+    device = cand_tokens.device
+    node_of = torch.full((batch, num_candidates + 1), -1, dtype=torch.long, device=device)
+    node_of[:, :num_candidates].scatter_(1, kept, torch.arange(1, num_nodes, device=device).expand(batch, -1))
+    parent_cand = cand_parents.gather(1, kept)  # (B, N-1)
+    parent_node = torch.where(parent_cand >= 0, node_of.gather(1, parent_cand.clamp_min(0)), 0)
+    tokens = torch.cat([root_token[:, None], cand_tokens.gather(1, kept)], dim=1)
+    parents = torch.cat([torch.full_like(root_token[:, None], -1), parent_node], dim=1)
+    depths = torch.cat([torch.zeros_like(root_token[:, None]), cand_depths.gather(1, kept)], dim=1)
+    return tokens, parents, depths, node_of[:, :num_candidates]
+
+
+def select_sampled_slots(parent_scores: Tensor, sorted_q: Tensor, width: int) -> Tensor:
+    """Which child slots a sampled dynamic tree draws at the next level (EAGLE-2 expansion, sampled).
+
+    Candidate slot (n, c) = the c-th draw of node n; its score is n's cumulative log q plus the log of
+    q(n)'s c-th largest probability, known before anything is drawn. The `width` best slots are kept
+    (stable: ties go to the earlier node, then the lower rank), so every node keeps a prefix of its
+    draw order, decided from what was drawn before: recursive rejection sampling stays lossless.
+
+    Args:
+        parent_scores: (B, M) cumulative log q of the M nodes of the current level (-inf: absent).
+        sorted_q: (B, M, K) each node's K largest drafter probabilities, descending.
+    Returns:
+        (B, M) int64: how many children each node draws (a prefix of its draw order). Slots past a
+        node's support (q = 0) sort last; if taken they are drawn with probability 0 and never tested.
+    """
+    batch, nodes, k = sorted_q.shape
+    scores = parent_scores[..., None] + sorted_q.clamp_min(1e-30).log()  # (B, M, K)
+    scores = scores.masked_fill(sorted_q <= 0, float("-inf")).flatten(1)
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width)
+    chosen = torch.zeros(batch, nodes * k, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(1, best, True).view(batch, nodes, k).sum(-1)

@@ -57,7 +57,7 @@ from inference.rules import (
     needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence
-from inference.tree import Tree, select
+from inference.tree import Tree
 
 __all__ = [
     "RULES",
@@ -148,23 +148,21 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
     if view.nodes is not None and (view.node_row is None or view.at_leaf is None):
         raise ValueError("a TargetView over some nodes needs node_row (Tree.inner_row) and at_leaf for the leaves")
-    children = select(tree.children, view.nodes)  # (B, I, K)
-    kid_index = children.clamp_min(0).flatten(1)  # (B, I K)
+    tables = tree.walk_tables(view.nodes)  # built once per tree, or once per static shape
+    children = tables.children  # (B, I, K)
 
     def at_kids(values: Tensor) -> Tensor:  # per-node (B, N) -> each child's (B, I, K)
-        return values.gather(1, kid_index).view_as(children)
+        return values.gather(1, tables.child_index).view_as(children)
 
-    valid = children >= 0
-    if max_accept is not None:  # image end: drafts past it are never tested
-        valid &= at_kids(tree.depths) <= max_accept[:, None, None]
+    valid = tables.has_child
+    if max_accept is not None:  # image end: drafts past it are never tested (not in place: `valid` is shared)
+        valid = valid & (at_kids(tree.depths) <= max_accept[:, None, None])
     kid_tokens, kid_q = at_kids(tree.tokens), None
     if tree.sampled:  # drawn without replacement: no duplicates; a draw with q = 0 is padding, not a draft
         kid_q = at_kids(tree.q_cond)
         usable = valid & (kid_q > 0)
     else:  # deterministic drafts: a repeated sibling token is tested once (§8)
-        width = children.shape[-1]
-        earlier = torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1)
-        same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
+        same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & tables.slot_before
         usable = valid & ~same.any(-1)
     probs = view.probs.float()
     return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
@@ -219,8 +217,7 @@ def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
     p_kids = p.gather(2, tokens) * usable  # (B, I, K) p(x), 0 where untested (duplicates, padding, too deep)
     removed = p.scatter_add(2, tokens, -p_kids)  # every tested child's token at exactly 0; untested ones add 0
     mass_left = removed.sum(-1, keepdim=True) + p_kids.flip(-1).cumsum(-1).flip(-1)  # (B, I, K)
-    width = tokens.shape[-1]
-    before = torch.ones(width, width, dtype=torch.bool, device=p.device).tril(-1)  # (K, K) [c, c']: c' < c
+    before = inputs.tables.slot_before  # (K, K) [c, c']: c' < c
     # 0 / 0 only past a child that took all the mass left (accepted with probability 1: never reached)
     p_x = (p_kids / mass_left).nan_to_num_(0.0)
     return RemovalSlots(p, p_x, mass_left, before), normalise_or_uniform(removed)
@@ -244,12 +241,11 @@ def verify(
     if view.nodes is not None and needs_every_node(rule):
         raise ValueError(f"{rule.name} reads the target at every node (needs_every_node): the TargetView covers some")
     inputs = prepare_tree(tree, view, max_accept)
-    batch, _, width = inputs.children.shape
-    num_nodes = tree.num_nodes
+    tables = inputs.tables
+    batch, num_nodes = tree.tokens.shape
     device = inputs.probs.device
-    rows = torch.arange(batch, device=device)
+    rows = tables.rows
     paths = tree.paths  # (B, N, P) root-to-node paths, -1 padded
-    on_path = paths >= 0
     charge: Tensor | None = None  # (B, I, K) the budget each test takes, budgeted rules only
     if greedy:
         passed = _greedy_tests(rule, inputs, _greedy_tokens(view))
@@ -260,8 +256,7 @@ def verify(
         # only a budgeted rule asks for more than a0 (<= 1): the others' chance is a0 and they charge nothing
         charge = _budget(rule, tree, inputs, want) if want is not None and isinstance(rule, CascadeRule) else None
         chance = a0 if charge is None else (a0 + charge).clamp_max(1.0)  # (B, I, K)
-        parent_depth = inputs.at_parents(tree.depths)[..., None].clamp_max(tree.max_depth - 1).expand(-1, -1, width)
-        draws = uniforms.accept.gather(1, parent_depth)  # (B, I, K)
+        draws = uniforms.accept.gather(1, tables.uniform_row)  # (B, I, K)
         ok = inputs.usable & (draws < chance)
         accepted_so_far = ok.long().cumsum(-1)  # (B, I, K) accepted children up to and including each slot
         first = ok & (accepted_so_far == 1)  # the first accepted child of every node
@@ -269,11 +264,10 @@ def verify(
         tested = inputs.usable & ((accepted_so_far == 0) | first)  # tests made: up to the first accept
     # A node is accepted iff it passed its parent's test and so did every ancestor; take the deepest.
     node_passed = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=device)
-    node_passed.scatter_(1, torch.where(inputs.children >= 0, inputs.children, num_nodes).flatten(1), passed.flatten(1))
+    node_passed.scatter_(1, tables.child_or_dump, passed.flatten(1))
     node_passed[:, 0] = True  # the root
-    path_ok = (node_passed[:, :num_nodes].gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) | ~on_path).all(-1)
-    last = (tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=device)).masked_fill(~path_ok, -1)
-    last_node = last.argmax(-1)  # (B,) deepest, the first such in node order
+    path_ok = (node_passed[:, :num_nodes].gather(1, tables.path_index).view_as(paths) | tables.off_path).all(-1)
+    last_node = tables.deepest_first.masked_fill(~path_ok, -1).argmax(-1)  # (B,) deepest, the first in node order
     walk = paths[rows, last_node]  # (B, P) nodes of the walk: their children were tested
     last_row = last_node
     if view.node_row is not None:  # rows of the view (-1 for padding); the last node may be a leaf, outside it
@@ -310,13 +304,12 @@ def _budget(rule: CascadeRule, tree: Tree, inputs: TreeInputs, want: Tensor) -> 
     # what the tests that lead to node n took, uncapped: for each ancestor edge, the parent's earlier
     # children and the edge's own want
     batch, num_nodes = tree.tokens.shape
+    tables = inputs.tables
     through = torch.zeros(batch, num_nodes + 1, device=want.device)
-    through.scatter_(
-        1, torch.where(inputs.children >= 0, inputs.children, num_nodes).flatten(1), want.cumsum(-1).flatten(1)
-    )
+    through.scatter_(1, tables.child_or_dump, want.cumsum(-1).flatten(1))
     through = through[:, :num_nodes]  # (B, N) uncapped want of the tests up to and including n's own
-    paths = inputs.at_parents(tree.paths)  # (B, I, P) paths to the nodes whose children are tested
-    to_node = (through.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) * (paths >= 0)).sum(-1)  # (B, I)
+    on_path = tables.parent_on_path  # (B, I, P) paths to the nodes whose children are tested
+    to_node = (through.gather(1, tables.parent_path_index).view_as(on_path) * on_path).sum(-1)  # (B, I)
     spent = to_node[..., None] + before_here  # (B, I, K) uncapped want taken before each test
     delta = rule.delta
     return (spent + want).clamp_max(delta) - spent.clamp_max(delta)

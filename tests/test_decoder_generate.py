@@ -21,8 +21,8 @@ from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.sampling import Proposal, proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
-from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, gumbel_topk, load_static_tree, node_paths
-from inference.tree_drafting import q_over_nodes
+from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, WalkTables, load_static_tree, node_paths
+from inference.tree_drafting import gumbel_topk, q_over_nodes
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
@@ -400,6 +400,41 @@ def test_a_static_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree
         assert block is not None and all(race._base is block for race in tree_races)
         rows = [race.storage_offset() // block.stride(1) + i for race in tree_races for i in range(race.shape[1])]
         assert sorted(rows) == list(range(block.shape[1]))  # disjoint, and together the whole block
+
+
+def test_a_static_shapes_walk_tables_are_built_at_the_first_step_and_stay_what_a_fresh_build_gives(tiny_target):
+    """Verification's index tables of a static shape are built once per device and batch and read at every
+    later step; after whole decodes under every kind of rule they still equal tables built afresh."""
+    spec = StaticTreeSpec(MC_SIM_7B_63)
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    memo = spec.walk_memo(torch.device("cpu"), len(PROMPTS))
+    memo.clear()
+    built = []
+    original = WalkTables.build
+
+    def counting_build(tree, nodes):
+        built.append(nodes is None)
+        return original(tree, nodes)
+
+    config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WalkTables, "build", staticmethod(counting_build))
+        neighbours = build_latent_neighbours(tiny_target.vq.codebook, 20)
+        for rule in (ExactRule(), CascadeRule(), LanternRule(neighbours=neighbours, k=10, delta=0.2)):
+            generate_speculative(
+                tiny_target, drafter, PROMPTS, rule, config, generator=torch.Generator().manual_seed(1)
+            )
+    assert built == [False]  # the inner nodes' tables, once, for every step of the three decodes
+    shared, batch, structure = memo[False], len(PROMPTS), spec.structure(torch.device("cpu"))
+    parents, depths = structure.parents.expand(batch, -1), structure.depths.expand(batch, -1)
+    tokens, q_full = torch.zeros(batch, spec.num_nodes, dtype=torch.long), torch.zeros(batch, spec.num_nodes, 2)
+    fresh_tree = Tree(
+        tokens, parents, depths, torch.ones(tokens.shape), q_full, True, spec.max_depth, spec.max_children
+    )
+    fresh = original(fresh_tree, structure.inner_nodes)  # from parents, not from the shape's tables
+    for field in dataclasses.fields(WalkTables):
+        assert torch.equal(getattr(shared, field.name), getattr(fresh, field.name)), field.name
+    assert torch.equal(shared.grandchildren, fresh.grandchildren)
 
 
 class _RowSplitDrafter(OracleDrafter):

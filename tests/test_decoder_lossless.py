@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.tree import StaticTreeSpec, Tree, select_sampled_slots
+from inference.tree import StaticTreeSpec, Tree
+from inference.tree_drafting import select_sampled_slots
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
 VOCAB = 4

@@ -14,14 +14,12 @@ from inference.tree import (
     ancestor_mask,
     ancestor_paths,
     children_table,
-    exponential_race,
-    gumbel_topk,
     leaf_paths,
     node_paths,
     select,
-    select_dynamic_tree,
     selection,
 )
+from inference.tree_drafting import exponential_race, gumbel_topk, select_dynamic_tree
 
 
 def random_parents(batch: int, num_nodes: int, seed: int) -> torch.Tensor:

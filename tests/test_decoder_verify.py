@@ -26,7 +26,8 @@ from inference.rules import (
 )
 from inference.sampling import Proposal
 from inference.similarity import in_nucleus
-from inference.tree import StaticTreeSpec, Tree, gumbel_topk
+from inference.tree import StaticTreeSpec, Tree
+from inference.tree_drafting import gumbel_topk
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, prepare_tree, verify
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
