@@ -263,13 +263,11 @@ def draft_sampled_dynamic_tree(
     for level in range(1, depth + 1):
         sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
         level_width = min(width if level > 1 else min(width, k), sorted_q.shape[1] * k)  # known without a sync
-        count = select_sampled_slots(level_scores, sorted_q, level_width)
+        picked = select_sampled_slots(level_scores, sorted_q, level_width)  # (B, W) slots n * K + c, a prefix per node
         if greedy:
             draws, cond = ranked, torch.ones_like(sorted_q)
         else:
             draws, cond = gumbel_topk(level_proposal, k, generator)  # (B, M, K) in draw order
-        chosen = torch.arange(k, device=device) < count[..., None]  # (B, M, K) a prefix per node
-        picked = (~chosen).flatten(1).float().argsort(dim=-1, stable=True)[:, :level_width]
         parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
         new_tokens = draws.flatten(1).gather(1, picked)
         tokens.append(new_tokens)
@@ -412,12 +410,11 @@ def select_sampled_slots(parent_scores: Tensor, sorted_q: Tensor, width: int) ->
         parent_scores: (B, M) cumulative log q of the M nodes of the current level (-inf: absent).
         sorted_q: (B, M, K) each node's K largest drafter probabilities, descending.
     Returns:
-        (B, M) int64: how many children each node draws (a prefix of its draw order). Slots past a
+        (B, width) int64: the kept slots n * K + c, ascending: ordered by (node, rank), so parents come
+        first and each node's kept slots are a prefix of its draw order (c = 0, 1, ...). Slots past a
         node's support (q = 0) sort last; if taken they are drawn with probability 0 and never tested.
     """
-    batch, nodes, k = sorted_q.shape
     scores = parent_scores[..., None] + sorted_q.clamp_min(1e-30).log()  # (B, M, K)
     scores = scores.masked_fill(sorted_q <= 0, float("-inf")).flatten(1)
-    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width)
-    chosen = torch.zeros(batch, nodes * k, dtype=torch.bool, device=scores.device)
-    return chosen.scatter_(1, best, True).view(batch, nodes, k).sum(-1)
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width) best first
+    return best.sort(dim=-1).values

@@ -121,9 +121,12 @@ def dynamic_sampled_trees(world: World, width: int = 2, top_k: int = 2, depth: i
             return
         qs = [world.at(path_tokens(parents, tokens, n))[1] for n in level_nodes]
         sorted_q = torch.stack([q.topk(top_k).values for q in qs]).float()[None]
-        counts = select_sampled_slots(
+        slots = select_sampled_slots(
             torch.tensor([scores], dtype=torch.float32), sorted_q, min(width, top_k) if level == 1 else width
-        )[0].tolist()
+        )[0]
+        counts = torch.bincount(slots // top_k, minlength=len(level_nodes)).tolist()  # children per node
+        # each node keeps a prefix of its draw order, listed parents-first: what the enumeration below draws
+        assert slots.tolist() == [n * top_k + c for n, count in enumerate(counts) for c in range(count)]
         per_node = [
             list(draws_without_replacement(q, c)) if c else [((), [], 1.0)] for q, c in zip(qs, counts, strict=True)
         ]
