@@ -24,7 +24,6 @@ D feature width, L neighbour-table width, C candidate tokens per slot (2K + 1), 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch import Tensor
 
 from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs
 from inference.similarity import centred_unit, in_nucleus, kl_divergence
+from inference.tree import strictly_lower
 
 
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
@@ -349,7 +349,7 @@ class CascadeRule:
         adjacent = torch.cat([(grand_kids >= 0), torch.ones_like(own, dtype=torch.bool)], dim=-1)
         pooled = torch.cat([interchangeable, adjacent & converged[..., None]], dim=-1)
         pooled &= candidates != inputs.kid_tokens[..., None]  # never x itself
-        earlier = _tril_below(pooled.shape[-1], pooled.device)  # (C, C)
+        earlier = strictly_lower(pooled.shape[-1], pooled.device)  # (C, C)
         repeat = ((candidates[..., :, None] == candidates[..., None, :]) & pooled[..., None, :] & earlier).any(-1)
         pooled &= ~repeat  # each token pooled once
         eligible = usable.clone()
@@ -389,12 +389,6 @@ class CascadeRule:
         a0 = slots.p_x.clamp_max(1.0)
         relaxed = (slots.p_x + extra).clamp_max(1.0)
         return a0, ((relaxed - a0) * state.eligible).clamp_min(0.0)
-
-
-@functools.lru_cache(maxsize=16)
-def _tril_below(size: int, device: torch.device) -> Tensor:
-    """(size, size) bool [i, j]: j < i, built once per size and device (a constant, never written to)."""
-    return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1)
 
 
 @dataclass

@@ -159,16 +159,13 @@ class WalkTables:
     path_index: Tensor  # (B, N P) root-to-node paths, padding at node 0
     off_path: Tensor  # (B, N, P) bool: the paths' padding
     deepest_first: Tensor  # (B, N) depth * (N + 1) - n: its argmax over a set of nodes is the deepest, first in order
-    parent_path_index: Tensor  # (B, I P) the parents' paths, padding at node 0
-    parent_on_path: Tensor  # (B, I, P) bool: not padding
     all_children: Tensor  # (B, N, K) the children of every node, -1 padded (`Tree.children`)
-    slot_before: Tensor  # (K, K) bool [c, c']: slot c' comes before slot c
+    parent_paths: Tensor  # (B, I, P) the parents' root-to-node paths, -1 padded
 
     @classmethod
     def build(cls, tree: Tree, nodes: Tensor | None) -> WalkTables:
         children = select(tree.children, nodes)  # (B, I, K)
-        num_nodes, width, has_child = tree.num_nodes, children.shape[-1], children >= 0
-        paths, parent_paths = tree.paths, select(tree.paths, nodes)  # (B, N, P), (B, I, P)
+        num_nodes, has_child, paths = tree.num_nodes, children >= 0, tree.paths  # paths (B, N, P)
         return cls(
             rows=torch.arange(children.shape[0], device=children.device),
             children=children,
@@ -179,11 +176,21 @@ class WalkTables:
             path_index=paths.clamp_min(0).flatten(1),
             off_path=paths < 0,
             deepest_first=tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=children.device),
-            parent_path_index=parent_paths.clamp_min(0).flatten(1),
-            parent_on_path=parent_paths >= 0,
             all_children=tree.children,
-            slot_before=torch.ones(width, width, dtype=torch.bool, device=children.device).tril(-1),
+            parent_paths=select(paths, nodes),
         )
+
+    # read by CASCADE only (its budget and its pooling): built at its first use, not for every rule
+
+    @cached_property
+    def parent_path_index(self) -> Tensor:
+        """(B, I P) the parents' paths, padding at node 0: the index of a gather along them."""
+        return self.parent_paths.clamp_min(0).flatten(1)
+
+    @cached_property
+    def parent_on_path(self) -> Tensor:
+        """(B, I, P) bool: the parents' paths without their padding."""
+        return self.parent_paths >= 0
 
     @cached_property
     def grandchildren(self) -> Tensor:
@@ -208,6 +215,13 @@ class TreeStructure:
 
 
 Selection = Tensor | slice | None  # positions along one dimension: a run is a slice (a view), None is all
+
+
+@functools.lru_cache(maxsize=16)
+def strictly_lower(size: int, device: torch.device) -> Tensor:
+    """(size, size) bool [i, j]: j < i (slot j comes before slot i), built once per size and device; a
+    shared constant, never written to."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1)
 
 
 def select(x: Tensor, positions: Selection) -> Tensor:

@@ -57,7 +57,7 @@ from inference.rules import (
     needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence
-from inference.tree import Tree
+from inference.tree import Tree, strictly_lower
 
 __all__ = [
     "RULES",
@@ -162,7 +162,8 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
         kid_q = at_kids(tree.q_cond)
         usable = valid & (kid_q > 0)
     else:  # deterministic drafts: a repeated sibling token is tested once (§8)
-        same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & tables.slot_before
+        earlier = strictly_lower(children.shape[-1], children.device)  # (K, K) [c, c']: c' < c
+        same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
         usable = valid & ~same.any(-1)
     probs = view.probs.float()
     return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
@@ -217,7 +218,7 @@ def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
     p_kids = p.gather(2, tokens) * usable  # (B, I, K) p(x), 0 where untested (duplicates, padding, too deep)
     removed = p.scatter_add(2, tokens, -p_kids)  # every tested child's token at exactly 0; untested ones add 0
     mass_left = removed.sum(-1, keepdim=True) + p_kids.flip(-1).cumsum(-1).flip(-1)  # (B, I, K)
-    before = inputs.tables.slot_before  # (K, K) [c, c']: c' < c
+    before = strictly_lower(tokens.shape[-1], p.device)  # (K, K) [c, c']: c' < c
     # 0 / 0 only past a child that took all the mass left (accepted with probability 1: never reached)
     p_x = (p_kids / mass_left).nan_to_num_(0.0)
     return RemovalSlots(p, p_x, mass_left, before), normalise_or_uniform(removed)
