@@ -66,6 +66,10 @@ def main() -> None:
                         num_sanity_val_steps=0)  # fmt: skip
     trainer.fit(KeyRecorder(manifest.target.hidden_size, args.out_dir), datamodule=datamodule)
     print(f"rank {trainer.global_rank} of {trainer.world_size} done (pid {os.getpid()})", file=sys.stderr)
+    # tear gloo down before the interpreter does: left to exit, a rank once aborted after finishing
+    # ("terminate called without an active exception", return code -6)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
