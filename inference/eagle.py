@@ -84,7 +84,7 @@ class EagleDrafter:
         check_compatible(model, target)
         self.model = model.eval()
         self.step = FusedDraftStep(self.model)  # the same computation in fewer ops (models.eagle_fused)
-        self._run_step: Callable[..., Tensor] = self.step
+        self._run_step: Callable[..., Tensor] = self.step.run  # (fused weights, inputs...), or its compiled form
         self.target = target
         self.feature_source = "hidden" if model.config.architecture == "eagle1" else "aux"
 
@@ -137,14 +137,15 @@ class EagleDrafter:
             if valid is None:
                 valid = torch.ones_like(tokens, dtype=torch.bool)
             mask = build_draft_attention_mask(cache, valid, tree_start, tree_mask)
-        hidden = self._run_step(self.target.embed_image_tokens(tokens), features, positions, mask,
+        weights = self.step.weights()  # checked once a call: the check walks every parameter (~20 us here)
+        hidden = self._run_step(weights, self.target.embed_image_tokens(tokens), features, positions, mask,
                                 from_target=from_target, cache=cache, rotary=position_encoding)  # fmt: skip
         # a level under the decoder's whole-tree mask: no one reads these columns' validity before the truncation
         cache.advance(tokens.shape[1] if valid is None else valid, mark_valid=attention_mask is None)
         wanted = hidden  # (R, T', H)
         if logits_at is not None:
             wanted = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_at][:, None]
-        logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale)  # (R or B, T', Vd)
+        logits, guided = self.step.draft_logits(wanted, self.image_head, cfg_scale, weights)  # (R or B, T', Vd)
         return DraftOutput(self.model.to_image_vocab(logits).float(), hidden, guided)
 
     def position_encodings(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -155,8 +156,7 @@ class EagleDrafter:
     def compile(self, **options: Any) -> None:
         """Run the drafter step's tensor part through `torch.compile(step.run, **options)` (`inference.compiled`);
         the check that rebuilds the fused weights stays eager, outside the graph."""
-        compiled = torch.compile(self.step.run, **options)
-        self._run_step = lambda *inputs, **keywords: compiled(self.step.weights(), *inputs, **keywords)
+        self._run_step = torch.compile(self.step.run, **options)
 
     def image_head(self, hidden: Tensor) -> Tensor:
         weight = self.target.image_head_weight()

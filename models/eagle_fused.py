@@ -176,7 +176,11 @@ class FusedDraftStep:
         return torch.addmm(h, F.silu(gate) * up, w.down).view(rows, length, -1)  # h + MLP, (R, T, H)
 
     def draft_logits(
-        self, hidden: Tensor, image_head: Callable[[Tensor], Tensor], cfg_scale: float | None = None
+        self,
+        hidden: Tensor,
+        image_head: Callable[[Tensor], Tensor],
+        cfg_scale: float | None = None,
+        weights: FusedWeights | None = None,
     ) -> tuple[Tensor, bool]:
         """`EagleDraftModel.draft_logits`: (R, T, H) -> (R, T, Vd), and whether CFG was applied.
 
