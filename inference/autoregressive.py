@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.compiled import decoding_mode
 from inference.sampling import draw_tokens, processed_distribution
 from models.target import ImageTarget, SamplingDefaults
 
@@ -32,7 +33,7 @@ class Generation:
     mean_top1: float  # probability of that distribution's most likely token
 
 
-@torch.no_grad()
+@decoding_mode
 def generate_ar(
     target: ImageTarget,
     prompts: list[str],

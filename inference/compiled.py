@@ -20,8 +20,9 @@ Eager is the default; `--compile` is meant for GPUs, where every eager op is a k
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,28 @@ from inference.verify import verify
 from models.target import DecoderTarget, ImageTarget
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+COMPILED_FLAG = "compiled_decoding"  # set on a target whose decoding `compile_decoding` compiled
+
+Decode = TypeVar("Decode", bound=Callable[..., Any])
+
+
+def decoding_mode(decode: Decode) -> Decode:
+    """Run a decode function (its first argument the target) under `torch.inference_mode()`, or under
+    `torch.no_grad()` where `compile_decoding` compiled that target's decoding.
+
+    Inference mode skips autograd's bookkeeping on every op (version counters, view tracking): the drafter
+    step takes about 13 % less time on this 2-core CPU (326 against 375 us, median of 6), and on a GPU the
+    host dispatches each launch sooner. Inductor's dynamic shapes cannot trace the inference tensors it
+    creates (torch 2.13: "Expected !size_bytes_is_heap_allocated_"), so a compiled decode keeps no_grad.
+    """
+
+    @functools.wraps(decode)
+    def run(target: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = torch.no_grad() if getattr(target, COMPILED_FLAG, False) else torch.inference_mode()
+        with mode:
+            return decode(target, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +82,7 @@ def compile_decoding(target: ImageTarget, drafter: Any | None = None, mode: str 
         raise TypeError(f"--compile needs a DecoderTarget (one decoder pass per call), got {type(target).__name__}")
     options: dict[str, Any] = {"dynamic": True, "mode": None if mode == "default" else mode}
     target.run_decoder = torch.compile(target.run_decoder, **options)  # type: ignore[method-assign]
+    setattr(target, COMPILED_FLAG, True)  # its decodes run under no_grad (`decoding_mode`)
     if drafter is not None:
         if not isinstance(drafter, EagleDrafter):
             raise TypeError(f"--compile compiles an EagleDrafter's step, got {type(drafter).__name__}")

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.compiled import decoding_mode
 from inference.tree import ancestor_mask
 from models.target import ImageTarget
 
@@ -99,7 +100,7 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
-@torch.no_grad()
+@decoding_mode
 def measure_target_latency(
     target: ImageTarget,
     tree_nodes: int = 60,

@@ -36,6 +36,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from inference.compiled import decoding_mode
 from inference.drafter import DraftContext, Drafter, to_rows
 from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
@@ -327,7 +328,7 @@ def _commit(
     return _Pending(features, following, index, keep)
 
 
-@torch.no_grad()
+@decoding_mode
 def generate_speculative(
     target: ImageTarget,
     drafter: Drafter,

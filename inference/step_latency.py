@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.compiled import compile_decoding
+from inference.compiled import compile_decoding, decoding_mode
 from inference.drafter import Drafter
 from inference.latency import PROMPT, LatencyReport, format_latency, measure_target_latency, synthetic_tree
 from inference.latency import synchronized_clock as clock
@@ -190,7 +190,7 @@ def decoder_tree_shape(config: DecoderConfig) -> tuple[Tensor, Tensor]:
     return synthetic_tree(config.num_nodes, config.top_k)
 
 
-@torch.no_grad()
+@decoding_mode
 def time_decode_steps(
     target: ImageTarget,
     drafter: Drafter,
@@ -216,7 +216,7 @@ def time_decode_steps(
     return timer
 
 
-@torch.no_grad()
+@decoding_mode
 def measure_step_latency(
     target: ImageTarget,
     drafter: Drafter,
