@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from inference.compiled import decodes_under_no_grad
 from inference.drafter import Drafter
 from inference.rules import Rule
 from inference.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
@@ -111,41 +112,44 @@ def count_decode_ops(
 ) -> list[dict[str, Any]]:
     """Decode `prompts` (one at a time) with every rule on every tree under an `OpCounter`.
 
-    Each tree first decodes the first prompt once, uncounted: work done once per process (a static
-    tree's index tables and masks, the drafter's fused weights) is not a cost of every step, and would
-    otherwise land on whichever rule is counted first.
+    The decodes run under no_grad, not inference mode (`inference.compiled.decodes_under_no_grad`), so that
+    the count sees the ops composite ops are made of. Each tree first decodes the first prompt once,
+    uncounted: work done once per process (a static tree's index tables and masks, the drafter's fused
+    weights) is not a cost of every step, and would otherwise land on whichever rule is counted first.
 
     Returns one row per (tree, rule): aten ops and host syncs per verification step by phase, and the
     drafting + verification + commit ops against the target forward's.
     """
-    rows = []
-    for tree_name, config in trees.items():
-        warm_rule = next(iter(rules.values()))
-        generator = torch.Generator(device=target.device).manual_seed(seed)
-        generate_speculative(target, drafter, prompts[:1], warm_rule, config, settings, generator)
-        for label, rule in rules.items():
-            counter = OpCounter()
-            for i, prompt in enumerate(prompts):
-                generator = torch.Generator(device=target.device).manual_seed(seed + i)
-                generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=counter)
-            per_step, views = counter.per_step(), counter.views_per_step()
-            overhead_phases = ("draft", "view", "verify", "commit")
-            overhead = sum(per_step[p][0] for p in overhead_phases)
-            computing = overhead - sum(views[p] for p in overhead_phases)
-            rows.append(
-                {
-                    "tree": tree_name,
-                    "rule": label,
-                    "steps": counter.steps,
-                    "ops": {p: per_step[p][0] for p in PHASES},
-                    "tensor_view_ops": views,
-                    "syncs": {p: per_step[p][1] for p in PHASES},
-                    "syncs_per_step": sum(per_step[p][1] for p in PHASES),
-                    "overhead_ops_per_target_op": overhead / max(per_step["target"][0], 1.0),
-                    "overhead_non_view_ops_per_target": computing / max(per_step["target"][0] - views["target"], 1.0),
-                }
-            )
-    return rows
+    with decodes_under_no_grad():
+        rows = []
+        for tree_name, config in trees.items():
+            warm_rule = next(iter(rules.values()))
+            generator = torch.Generator(device=target.device).manual_seed(seed)
+            generate_speculative(target, drafter, prompts[:1], warm_rule, config, settings, generator)
+            for label, rule in rules.items():
+                counter = OpCounter()
+                for i, prompt in enumerate(prompts):
+                    generator = torch.Generator(device=target.device).manual_seed(seed + i)
+                    generate_speculative(target, drafter, [prompt], rule, config, settings, generator, hooks=counter)
+                per_step, views = counter.per_step(), counter.views_per_step()
+                overhead_phases = ("draft", "view", "verify", "commit")
+                overhead = sum(per_step[p][0] for p in overhead_phases)
+                computing = overhead - sum(views[p] for p in overhead_phases)
+                rows.append(
+                    {
+                        "tree": tree_name,
+                        "rule": label,
+                        "steps": counter.steps,
+                        "ops": {p: per_step[p][0] for p in PHASES},
+                        "tensor_view_ops": views,
+                        "syncs": {p: per_step[p][1] for p in PHASES},
+                        "syncs_per_step": sum(per_step[p][1] for p in PHASES),
+                        "overhead_ops_per_target_op": overhead / max(per_step["target"][0], 1.0),
+                        "overhead_non_view_ops_per_target": computing
+                        / max(per_step["target"][0] - views["target"], 1.0),
+                    }
+                )
+        return rows
 
 
 def format_op_table(rows: list[dict[str, Any]]) -> str:

@@ -269,7 +269,7 @@ class CascadeSets:
 
     candidates: Tensor  # (B, I, K, C) tokens a slot may pool: its siblings, its own children, its parent's token
     pooled: Tensor  # (B, I, K, C) bool: in I(x) or C(x), distinct, not x
-    converged: Tensor  # (B, I, K) bool: the slot's region converged (for pool_beyond_tree)
+    converged: Tensor  # (B, I, K) bool: the slot's region converged (read under pool_beyond_tree)
     eligible: Tensor  # (B, I, K) bool: the slot may be relaxed at all (confidence gate)
 
 
@@ -338,10 +338,12 @@ class CascadeRule:
         if self.kl_gate is not None:  # target distributions at every node (`needs_every_node`)
             kid_p = inputs.probs[rows[..., None], kid]  # (B, N, K, V)
             converged = converged & (kl_divergence(kid_p, inputs.probs[:, :, None]) < self.kl_gate)
-        converged = converged & usable & self.use_convergence
+        converged = converged & usable if self.use_convergence else torch.zeros_like(usable)
         siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, K)
         sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, I, K, K)
-        interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :] & self.use_interchangeability
+        interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :]
+        if not self.use_interchangeability:
+            interchangeable = torch.zeros_like(interchangeable)
         grand_kids = tables.grandchildren  # (B, I, K, K) children of each child
         grand_tokens = tree.tokens.gather(1, grand_kids.clamp_min(0).flatten(1)).view_as(grand_kids)
         own = inputs.at_parents(tree.tokens)[:, :, None, None].expand(-1, -1, width, 1)  # (B, I, K, 1) parent's token
@@ -352,10 +354,10 @@ class CascadeRule:
         earlier = strictly_lower(pooled.shape[-1], pooled.device)  # (C, C)
         repeat = ((candidates[..., :, None] == candidates[..., None, :]) & pooled[..., None, :] & earlier).any(-1)
         pooled &= ~repeat  # each token pooled once
-        eligible = usable.clone()
-        if self.conf_gate is not None:  # relax only tokens inside the target's nucleus at the parent
-            eligible &= children_in_nucleus(inputs, self.conf_gate)
-        return CascadeSets(candidates, pooled, converged & self.pool_beyond_tree, eligible)
+        eligible = usable  # relax only tokens inside the target's nucleus at the parent
+        if self.conf_gate is not None:
+            eligible = usable & children_in_nucleus(inputs, self.conf_gate)
+        return CascadeSets(candidates, pooled, converged, eligible)
 
     def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         a0 = exact_acceptance(slot)
@@ -364,7 +366,7 @@ class CascadeRule:
         if self.pool_beyond_tree:  # beyond the tree: all other mass
             extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)
         relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
-        return a0, ((relaxed - a0) * state.eligible[:, :, c]).clamp_min(0.0)
+        return a0, self._charge_wanted(relaxed, a0, state.eligible[:, :, c])
 
     def rejection(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
         return exact_residual(slot.p, slot.x, slot.q_draw)
@@ -388,7 +390,14 @@ class CascadeRule:
             extra = torch.where(state.converged, 1.0 - slots.p_x, extra)
         a0 = slots.p_x.clamp_max(1.0)
         relaxed = (slots.p_x + extra).clamp_max(1.0)
-        return a0, ((relaxed - a0) * state.eligible).clamp_min(0.0)
+        return a0, self._charge_wanted(relaxed, a0, state.eligible)
+
+    def _charge_wanted(self, relaxed: Tensor, a0: Tensor, eligible: Tensor) -> Tensor:
+        """relaxed - a0 where the slot may be relaxed. The pooled mass is >= 0, so relaxed >= a0 exactly in
+        floating point (adding a non-negative number and dividing by the same q(x) are monotone); only
+        pool_beyond_tree's 1 - p(x), negative by a rounding where p(x) > 1, needs the clamp."""
+        wanted = (relaxed - a0) * eligible
+        return wanted.clamp_min(0.0) if self.pool_beyond_tree else wanted
 
 
 @dataclass

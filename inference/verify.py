@@ -189,22 +189,23 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     else:
         q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, I, K) one-hot proposals
     width = children.shape[-1]
+    tested = usable.to(p.dtype)[..., None]  # (B, I, K, 1) 1 where the slot is tested
     a0s, wants = [], []
     for c in range(width):
         x = inputs.kid_tokens[..., c]  # (B, I)
-        use = usable[..., c]
         q_draw = None if q_left is None else normalise_or_uniform(q_left)
         slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_kids[..., c], q_draw)
         a0, want = rule.acceptance(inputs, state, slot)
-        a0s.append(a0 * use)
+        a0s.append(a0)
         if want is not None:  # budgeted rules only
-            wants.append(want * use)
+            wants.append(want)
         # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
-        p = torch.lerp(p, normalise_or_uniform(rule.rejection(inputs, state, slot)), use[..., None].to(p.dtype))
+        p = torch.lerp(p, normalise_or_uniform(rule.rejection(inputs, state, slot)), tested[..., c, :])
         if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
             q_left = q_left.scatter(2, x[..., None], 0.0)
-    return torch.stack(a0s, -1), torch.stack(wants, -1) if wants else None, p
+    # untested slots are never accepted nor charged
+    return torch.stack(a0s, -1) * usable, torch.stack(wants, -1) * usable if wants else None, p
 
 
 def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_drafter_models import tiny_drafter
 
+from inference.compiled import COMPILED_FLAG, decodes_under_no_grad, decoding_mode
 from inference.cost import OpCounter, count_decode_ops, format_op_table
 from inference.eagle import EagleDrafter
 from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
@@ -101,14 +102,48 @@ def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
         assert ops["view"] <= 16 and ops["commit"] <= 70, row
 
 
+def test_decodes_run_in_inference_mode_unless_compiled_or_counted():
+    @decoding_mode
+    def modes(target):
+        return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    class Target:
+        pass
+
+    target = Target()
+    assert modes(target) == (True, False)
+    with decodes_under_no_grad():
+        assert modes(target) == (False, False)
+    assert modes(target) == (True, False)  # the context is left as it was
+    setattr(target, COMPILED_FLAG, True)  # inductor's dynamic shapes cannot trace inference tensors
+    assert modes(target) == (False, False)
+
+
+def test_op_counts_see_the_ops_a_composite_op_is_made_of(decoder, monkeypatch):
+    """Inference mode hands composite ops (linear, rms_norm, attention) to a dispatch mode whole; the count
+    must see what the backend runs (mm, pow, rsqrt, ...), whatever mode the decode would run in."""
+    target, drafter = decoder
+    names: set[str] = set()
+    count = OpCounter._count
+
+    def recording(self, func, args, kwargs):
+        names.add(func.__name__.split(".")[0])
+        count(self, func, args, kwargs)
+
+    monkeypatch.setattr(OpCounter, "_count", recording)
+    count_decode_ops(target, drafter, {"exact": ExactRule()}, {"static": TREES["static"]}, PROMPTS[:1])
+    assert {"mm", "rsqrt"} <= names and not {"linear", "rms_norm"} & names, sorted(names)
+
+
 def test_verification_cost_does_not_grow_with_tree_depth(decoder):
     target, drafter = decoder
     counts = []
     for depth in (2, 5):
         config = DecoderConfig(tree="dynamic", top_k=3, depth=depth, total_tokens=1 + 3 * depth)
         counter = OpCounter()
-        generate_speculative(target, drafter, PROMPTS[:1], CascadeRule(tau_seq=0.2), config,
-                             generator=torch.Generator().manual_seed(0), hooks=counter)  # fmt: skip
+        with decodes_under_no_grad():
+            generate_speculative(target, drafter, PROMPTS[:1], CascadeRule(tau_seq=0.2), config,
+                                 generator=torch.Generator().manual_seed(0), hooks=counter)  # fmt: skip
         counts.append(counter.per_step()["verify"][0])
     # neither the tree's tables (children; paths read off the ancestor mask) nor the rule loop over levels
     assert counts[1] - counts[0] <= 6, counts  # measured: 1.6 for three more levels
