@@ -63,7 +63,7 @@ class TreeInputs:
 
     def at_children(self, x: Tensor) -> Tensor:
         """Per-node values (B, N) -> (B, I, K): each child slot's node's value (node 0's on empty slots)."""
-        return x.gather(1, self.tables.child_index).view_as(self.children)
+        return self.tables.at_children(x)
 
 
 @dataclass

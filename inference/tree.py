@@ -180,6 +180,10 @@ class WalkTables:
             parent_paths=select(paths, nodes),
         )
 
+    def at_children(self, values: Tensor) -> Tensor:
+        """Per-node values (B, N) -> (B, I, K): each child slot's node's value (node 0's on empty slots)."""
+        return values.gather(1, self.child_index).view_as(self.children)
+
     # read by CASCADE only (its budget and its pooling): built at its first use, not for every rule
 
     @cached_property

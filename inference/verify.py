@@ -149,11 +149,7 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     if view.nodes is not None and (view.node_row is None or view.at_leaf is None):
         raise ValueError("a TargetView over some nodes needs node_row (Tree.inner_row) and at_leaf for the leaves")
     tables = tree.walk_tables(view.nodes)  # built once per tree, or once per static shape
-    children = tables.children  # (B, I, K)
-
-    def at_kids(values: Tensor) -> Tensor:  # per-node (B, N) -> each child's (B, I, K)
-        return values.gather(1, tables.child_index).view_as(children)
-
+    children, at_kids = tables.children, tables.at_children  # (B, I, K); per-node (B, N) -> each child's
     valid = tables.has_child
     if max_accept is not None:  # image end: drafts past it are never tested (not in place: `valid` is shared)
         valid = valid & (at_kids(tree.depths) <= max_accept[:, None, None])

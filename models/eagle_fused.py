@@ -106,25 +106,6 @@ class FusedDraftStep:
             eps=config.rms_norm_eps,
         )
 
-    def __call__(
-        self,
-        embeds: Tensor,
-        features: Tensor,
-        positions: Tensor,
-        mask: Tensor,
-        *,
-        from_target: bool,
-        cache: KVCache,
-        rotary: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
-        """`EagleDraftModel.forward(..., cache=cache)`: embeds (R, T, H), features (R, T, Df) or (R, T, H),
-        positions (R, T), mask (R, T, S) over the keys, bool or the additive bias attention makes of one (0 or
-        -inf, in the drafter's dtype) -> the drafter hidden (R, T, H). Writes this
-        pass's keys and values into `cache` after its filled columns (the caller advances it)."""
-        return self.run(
-            self.weights(), embeds, features, positions, mask, from_target=from_target, cache=cache, rotary=rotary
-        )
-
     def rotary_per_column(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """`run`'s `rotary` for each column of positions (R, L), computed at once: (cos, sin) (R, heads, 1, E)
         per column, for a pass whose elements all sit at that column's position (a tree level)."""
@@ -143,8 +124,12 @@ class FusedDraftStep:
         cache: KVCache,
         rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """`__call__` with the fused weights given: the pure tensor part, which `--compile` traces whole
-        (the rebuild check reads parameter versions, which would break the graph). `rotary`: the
+        """`EagleDraftModel.forward(..., cache=cache)` with the fused weights `w` (`weights()`): embeds (R, T, H),
+        features (R, T, Df) or (R, T, H), positions (R, T), mask (R, T, S) over the keys, bool or the additive
+        bias attention makes of one (0 or -inf, in the drafter's dtype) -> the drafter hidden (R, T, H). Writes
+        this pass's keys and values into `cache` after its filled columns (the caller advances it). The pure
+        tensor part, which `--compile` traces whole: the weights' rebuild check reads parameter versions,
+        which would break the graph, so the caller makes it (once per call in `EagleDrafter`). `rotary`: the
         (cos, sin) of `rotary_tables` at `positions`, computed before (once per tree, for all its
         levels), with T or 1 elements when all T share one position; None = computed here."""
         config = self.model.config

@@ -36,7 +36,8 @@ def run_both(model, target, seed: int = 0):
         embeds = target.embed_image_tokens(tokens)
         with torch.no_grad():
             module_hidden, _, _ = model(embeds, features, positions, mask, from_target=from_target, cache=module_cache)
-            fused_hidden = step(embeds, features, positions, mask, from_target=from_target, cache=fused_cache)
+            fused_hidden = step.run(step.weights(), embeds, features, positions, mask, from_target=from_target,
+                                    cache=fused_cache)  # fmt: skip
             head = target.image_head
             module_logits, fused_logits = (
                 model.draft_logits(module_hidden, head),
@@ -100,10 +101,10 @@ def test_a_trees_rotary_tables_and_attention_bias_built_once_give_the_per_call_r
             bias[:, start : start + count, : start + count],
         )
         with torch.no_grad():
-            expected = per_call(embeds, features, positions, mask, from_target=level == 0, cache=caches[0])
-            got = once(
-                embeds, features, positions, level_bias, from_target=level == 0, cache=caches[1], rotary=tables[level]
-            )
+            expected = per_call.run(per_call.weights(), embeds, features, positions, mask, from_target=level == 0,
+                                    cache=caches[0])  # fmt: skip
+            got = once.run(once.weights(), embeds, features, positions, level_bias, from_target=level == 0,
+                           cache=caches[1], rotary=tables[level])  # fmt: skip
         assert got.dtype == dtype and torch.equal(got, expected)
         for cache in caches:
             cache.advance(count)
@@ -157,7 +158,7 @@ def test_fused_step_dispatches_fewer_ops_than_the_modules():
                 hidden, _, _ = model(embeds, features, positions, mask, from_target=True, cache=cache)
                 model.draft_logits(hidden, target.image_head)
             else:
-                hidden = step(embeds, features, positions, mask, from_target=True, cache=cache)
+                hidden = step.run(step.weights(), embeds, features, positions, mask, from_target=True, cache=cache)
                 step.draft_logits(hidden, target.image_head)
         counts[name] = counter.ops["draft"]
     # measured: 116 (modules) against 54 (fused)
