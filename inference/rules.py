@@ -3,10 +3,11 @@
 `inference.verify` walks the draft tree and asks the rule, for every child slot c of every node at
 once (the inputs: `inference.rule_inputs`), two things (cascade.md §2.4, §4, §5):
 
-- `acceptance(...)` -> (a0, want): the rule's acceptance probability of the drafted token x, and for
-  budgeted rules (CASCADE) the extra acceptance probability it would like on top, which `verify`
-  grants while the TV budget delta of the verification step lasts;
-- `rejection(...)` -> the residual target after x is rejected (unnormalised; `verify` renormalises).
+`test_slot(...)` -> `SlotTest`: the rule's acceptance probability a0 of the drafted token x; for budgeted
+rules (CASCADE) the extra acceptance probability it would like on top, which `verify` grants while
+the TV budget delta of the verification step lasts; and the residual target after x is rejected
+(unnormalised; `verify` renormalises). One method for the three, so that what they share (LANTERN's
+pooled neighbours, GSD's rank blocks) is computed once per slot.
 
 Budgeted relaxation (CASCADE) only raises acceptance probabilities and keeps the exact residual,
 which makes its guarantee hold on every tree kind: couple the relaxed walk with the exact one through
@@ -41,6 +42,15 @@ def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
     return mask.scatter_(-1, torch.where(keep, index, shape[-1]), True)[..., : shape[-1]]
 
 
+@dataclass
+class SlotTest:
+    """A rule's answer for the c-th child of every parent node."""
+
+    a0: Tensor  # (B, I) acceptance probability of x
+    want: Tensor | None  # (B, I) extra acceptance a budgeted rule asks for on top of a0; None for the others
+    residual: Tensor  # (B, I, V) the target after x is rejected, unnormalised
+
+
 def exact_acceptance(inputs: SlotInputs) -> Tensor:
     """min(1, p(x) / q(x)) (q(x) > 0 on every slot `verify` tests)."""
     return (inputs.p_x / inputs.q_x).clamp_max(1.0)
@@ -62,17 +72,14 @@ class ExactRule:
     def prepare(self, inputs: TreeInputs) -> Any:
         return None
 
-    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
-        return exact_acceptance(slot), None
-
-    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        return exact_residual(slot.p, slot.x, slot.q_draw)
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+        return SlotTest(exact_acceptance(slot), None, exact_residual(slot.p, slot.x, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return slot.p_x
 
     def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, Tensor | None]:
-        """`acceptance` for every slot of deterministic drafts (q(x) = 1): p_c(x), (B, I, K)."""
+        """`test_slot`'s a0 for every slot of deterministic drafts (q(x) = 1): p_c(x), (B, I, K)."""
         return slots.p_x.clamp_max(1.0), None
 
 
@@ -127,24 +134,20 @@ class LanternRule:
         allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases
         return near, allowed, (cumulative * allowed).amax(-1)
 
-    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
-        _, _, extra = self._pooled(state, slot)
-        mass = slot.p_x + extra
-        return (mass / slot.q_x).clamp_max(1.0), None
-
-    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        near, allowed, _ = self._pooled(state, slot)
-        if self.reject_zeroes == "code":
-            zap = near[..., : self.k + 1]
-            zap_keep = allowed.any(-1, keepdim=True).expand_as(zap)
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+        near, allowed, extra = self._pooled(state, slot)
+        a0 = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
+        if self.reject_zeroes == "code":  # x's k + 1 nearest, if anything was pooled
+            zap, zap_keep = near[..., : self.k + 1], allowed[..., :1]  # (B, I, k + 1), (B, I, 1): a prefix
         else:
             zap, zap_keep = near[..., : self.k], allowed
-        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep)  # (B, I, V)
-        if slot.q_draw is None:
-            return slot.p.masked_fill(zero, 0.0).scatter(-1, slot.x[..., None], 0.0)
+        if slot.q_draw is None:  # x and the zapped latents to 0 in one scatter (x again where nothing is zapped)
+            x = slot.x[..., None]
+            return SlotTest(a0, None, slot.p.scatter(-1, torch.cat([x, torch.where(zap_keep, zap, x)], -1), 0.0))
+        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep.expand_as(zap))  # (B, I, V)
         if self.static_zeroes == "q":
-            return torch.relu(slot.p - slot.q_draw.masked_fill(zero, 0.0))
-        return torch.relu(slot.p.masked_fill(zero, 0.0) - slot.q_draw)
+            return SlotTest(a0, None, torch.relu(slot.p - slot.q_draw.masked_fill(zero, 0.0)))
+        return SlotTest(a0, None, torch.relu(slot.p.masked_fill(zero, 0.0) - slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return slot.p_x + self._pooled(state, slot)[2]
@@ -181,14 +184,14 @@ class GSDBlocksRule:
         block = ranks // self.group
         return block == block.gather(2, slot.x[..., None])  # (B, I, V)
 
-    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         cluster = self._cluster(slot)
         mass = (slot.p * cluster).sum(-1)
-        proposal = torch.ones_like(mass) if slot.q_draw is None else (slot.q_draw * cluster).sum(-1)
-        return (mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None
-
-    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        return exact_residual(slot.p.masked_fill(self._cluster(slot), 0.0), slot.x, slot.q_draw)
+        residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x, slot.q_draw)
+        if slot.q_draw is None:  # q(C) = 1
+            return SlotTest(mass.clamp_max(1.0), None, residual)
+        proposal = (slot.q_draw * cluster).sum(-1)
+        return SlotTest((mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None, residual)
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return (slot.p * self._cluster(slot)).sum(-1)
@@ -220,7 +223,7 @@ class GSDRule:
     def prepare(self, inputs: TreeInputs) -> Any:
         return self.embeddings.to(inputs.probs.device).float()
 
-    def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor]:
+    def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         order, ranks = _descending_ranks(slot.p)
         vocab = slot.p.shape[-1]
         rank_x = ranks.gather(2, slot.x[..., None])  # (B, I, 1)
@@ -234,16 +237,14 @@ class GSDRule:
         keep &= distance < self.distance_threshold
         keep |= inside & (members == slot.x[..., None])
         mass = (p_members * keep).sum(-1)
-        if slot.q_draw is None:
-            return mass, torch.ones_like(mass)
+        if slot.q_draw is None:  # q(C) = 1
+            return mass, None
         return mass, (slot.q_draw.gather(2, members) * keep).sum(-1)
 
-    def acceptance(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         mass, proposal = self._cluster_mass(state, slot)
-        return (mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None
-
-    def rejection(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        return exact_residual(slot.p, slot.x, slot.q_draw)
+        a0 = mass.clamp_max(1.0) if proposal is None else (mass / proposal.clamp_min(1e-30)).clamp_max(1.0)
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return self._cluster_mass(state, slot)[0]
@@ -359,7 +360,12 @@ class CascadeRule:
             eligible = usable & children_in_nucleus(inputs, self.conf_gate)
         return CascadeSets(candidates, pooled, converged, eligible)
 
-    def acceptance(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+    def test_slot(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> SlotTest:
+        a0, want = self._relaxed(state, slot)
+        return SlotTest(a0, want, exact_residual(slot.p, slot.x, slot.q_draw))
+
+    def _relaxed(self, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor]:
+        """a0 and the charge wanted on top, (B, I) each."""
         a0 = exact_acceptance(slot)
         c = slot.slot
         extra = (slot.p.gather(2, state.candidates[:, :, c]) * state.pooled[:, :, c]).sum(-1)  # (B, I)
@@ -368,17 +374,13 @@ class CascadeRule:
         relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
         return a0, self._charge_wanted(relaxed, a0, state.eligible[:, :, c])
 
-    def rejection(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
-        return exact_residual(slot.p, slot.x, slot.q_draw)
-
     def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
-        _, want = self.acceptance(inputs, state, slot)
-        return slot.p_x if want is None else slot.p_x + want.clamp_max(self.delta)
+        return slot.p_x + self._relaxed(state, slot)[1].clamp_max(self.delta)
 
     def acceptance_at_once(
         self, inputs: TreeInputs, state: CascadeSets, slots: RemovalSlots
     ) -> tuple[Tensor, Tensor | None]:
-        """`acceptance` for every slot of deterministic drafts (q(x) = 1): a candidate's mass under p_c is
+        """`test_slot`'s a0 and want for every slot of deterministic drafts (q(x) = 1): a candidate's mass under p_c is
         p(y) / mass_left[c], or 0 where y is an earlier tested sibling's token (removed). -> (B, I, K) twice."""
         candidates = state.candidates  # (B, I, K, C)
         p_candidates = slots.p.gather(2, candidates.flatten(2)).view_as(candidates)
@@ -445,17 +447,15 @@ class CascadeDevRule:
         pairs = (cosine > self.pair_threshold) & other & inputs.usable[:, :, None, :] & inputs.usable[..., None]
         return CascadeDevState(convergence, pairs)
 
-    def acceptance(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+    def test_slot(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> SlotTest:
         c = slot.slot
         plain = exact_acceptance(slot)
         pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, I)
         total = state.convergence[:, :, c] + pooled
         second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
         gate = in_nucleus(slot.p, slot.x[..., None], self.nucleus)[..., 0]
-        return torch.where(gate & (total > 0), torch.maximum(plain, second), plain), None
-
-    def rejection(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
-        return exact_residual(slot.p, slot.x, slot.q_draw)
+        a0 = torch.where(gate & (total > 0), torch.maximum(plain, second), plain)
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
         return slot.p_x

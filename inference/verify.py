@@ -181,25 +181,26 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         return a0 * usable, (None if want is None else want * usable), residual
     q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
     if inputs.kid_q is not None:  # sampled: (B, I, K) each child's draw probability; 1 where untested, so
-        q_kids = inputs.kid_q.masked_fill(~usable, 1.0)  # rules divide unguarded
+        q_kids = inputs.kid_q.masked_fill(~usable, 1.0).unbind(-1)  # rules divide unguarded
     else:
-        q_kids = torch.ones_like(p[..., :1]).expand_as(children)  # (B, I, K) one-hot proposals
+        q_kids = (torch.ones_like(p[..., 0]),) * children.shape[-1]  # (B, I) one-hot proposals
     width = children.shape[-1]
-    tested = usable.to(p.dtype)[..., None]  # (B, I, K, 1) 1 where the slot is tested
+    tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
+    kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1)
     a0s, wants = [], []
     for c in range(width):
-        x = inputs.kid_tokens[..., c]  # (B, I)
+        x = kid_tokens[c]  # (B, I, 1)
         q_draw = None if q_left is None else normalise_or_uniform(q_left)
-        slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], q_kids[..., c], q_draw)
-        a0, want = rule.acceptance(inputs, state, slot)
-        a0s.append(a0)
-        if want is not None:  # budgeted rules only
-            wants.append(want)
+        slot = SlotInputs(c, p, x[..., 0], p.gather(2, x)[..., 0], q_kids[c], q_draw)
+        test = rule.test_slot(inputs, state, slot)
+        a0s.append(test.a0)
+        if test.want is not None:  # budgeted rules only
+            wants.append(test.want)
         # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
-        p = torch.lerp(p, normalise_or_uniform(rule.rejection(inputs, state, slot)), tested[..., c, :])
+        p = torch.lerp(p, normalise_or_uniform(test.residual), tested[c])
         if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
-            q_left = q_left.scatter(2, x[..., None], 0.0)
+            q_left = q_left.scatter(2, x, 0.0)
     # untested slots are never accepted nor charged
     return torch.stack(a0s, -1) * usable, torch.stack(wants, -1) * usable if wants else None, p
 
