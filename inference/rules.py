@@ -1,13 +1,11 @@
 """Verification rules, one class each: its parameters, the mass a draft is accepted with, and its residual.
 
-`inference.verify` walks the draft tree and asks the rule, for every child slot c of every node at
-once (the inputs: `inference.rule_inputs`), two things (cascade.md §2.4, §4, §5):
-
-`test_slot(...)` -> `SlotTest`: the rule's acceptance probability a0 of the drafted token x; for budgeted
-rules (CASCADE) the extra acceptance probability it would like on top, which `verify` grants while
-the TV budget delta of the verification step lasts; and the residual target after x is rejected
-(unnormalised; `verify` renormalises). One method for the three, so that what they share (LANTERN's
-pooled neighbours, GSD's rank blocks) is computed once per slot.
+`inference.verify` walks the draft tree and asks the rule about the c-th child of every node at once
+(the inputs: `inference.rule_inputs`; cascade.md §2.4, §4, §5): `test_slot(...)` -> `SlotTest`, the
+acceptance probability a0 of the drafted token x; for budgeted rules (CASCADE) the extra acceptance
+probability it would like on top, which `verify` grants while the TV budget delta of the step lasts;
+and the residual target after x is rejected (unnormalised). One method for the three, so that what
+they share (LANTERN's pooled neighbours, GSD's rank blocks) is computed once per slot.
 
 Budgeted relaxation (CASCADE) only raises acceptance probabilities and keeps the exact residual,
 which makes its guarantee hold on every tree kind: couple the relaxed walk with the exact one through
@@ -32,7 +30,7 @@ import torch
 from torch import Tensor
 
 from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs
-from inference.similarity import centred_unit, in_nucleus, kl_divergence
+from inference.similarity import centred_unit, in_nucleus, kl_divergence, mass_above
 from inference.tree import strictly_lower
 
 
@@ -250,18 +248,18 @@ class GSDRule:
         return self._cluster_mass(state, slot)[0]
 
 
-def children_in_nucleus(inputs: TreeInputs, mass: float) -> Tensor:
-    """(B, I, K) bool: each child slot's token lies in its parent's target nucleus of `mass` (`in_nucleus`).
+def children_mass_above(inputs: TreeInputs) -> Tensor:
+    """(B, I, K): the mass of the tokens more likely than each child slot's token at its parent (`mass_above`).
 
-    A tree with far more slots than nodes (the dynamic tree: 60 nodes, 60 x 10 slots) is tested once per
+    A tree with far more slots than nodes (the dynamic tree: 60 nodes, 60 x 10 slots) is measured once per
     node, against its parent's row, and the answers read back per slot: 10x fewer comparisons over the
     vocabulary (0.6 against 4.2 ms a step on this CPU) for 10 more ops. A tree with at most 4 slots a node
-    (every static tree preset) is tested once per slot, where those ops would save little."""
+    (every static tree preset) is measured once per slot, where those ops would save little."""
     if inputs.children.numel() <= 4 * inputs.tree.tokens.numel():
-        return in_nucleus(inputs.probs, inputs.kid_tokens, mass)
+        return mass_above(inputs.probs, inputs.kid_tokens)
     rows = inputs.tables.rows[:, None]
     at_parent = inputs.probs[rows, inputs.parent_row()]  # (B, N, V); the root reads row 0, a don't-care
-    return inputs.at_children(in_nucleus(at_parent, inputs.tree.tokens[..., None], mass)[..., 0])
+    return inputs.at_children(mass_above(at_parent, inputs.tree.tokens[..., None])[..., 0])
 
 
 @dataclass
@@ -357,7 +355,7 @@ class CascadeRule:
         pooled &= ~repeat  # each token pooled once
         eligible = usable  # relax only tokens inside the target's nucleus at the parent
         if self.conf_gate is not None:
-            eligible = usable & children_in_nucleus(inputs, self.conf_gate)
+            eligible = usable & (children_mass_above(inputs) < self.conf_gate)  # x in the target's nucleus
         return CascadeSets(candidates, pooled, converged, eligible)
 
     def test_slot(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> SlotTest:
@@ -459,6 +457,25 @@ class CascadeDevRule:
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
         return slot.p_x
+
+    def acceptance_at_once(
+        self, inputs: TreeInputs, state: CascadeDevState, slots: RemovalSlots
+    ) -> tuple[Tensor, Tensor | None]:
+        """`test_slot`'s a0 for every slot of deterministic drafts (q(x) = 1; its residual only removes x). Under
+        p_c = p / mass_left[c] without the earlier tested siblings' tokens, a sibling's mass is p(y) / mass_left[c]
+        or 0, and x is in p_c's nucleus iff the mass above x, less the removed tokens', is < nucleus x mass_left[c].
+        -> (B, I, K), None."""
+        p_kids = slots.p.gather(2, inputs.kid_tokens)  # (B, I, K) unnormalised p at every sibling's token
+        gone = inputs.usable[:, :, None, :] & slots.removed_before  # (B, I, K, K) [c, c']: c' removed before c
+        p_others = p_kids[:, :, None, :]  # (B, I, 1, K) the siblings, for each slot c
+        left = slots.mass_left
+        pooled = ((p_others * (state.pairs & ~gone)).sum(-1) / left).nan_to_num_(0.0)  # (B, I, K); 0 / 0 past all
+        total = state.convergence + pooled
+        second = torch.where(total < 1.0, slots.p_x / (1.0 - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
+        removed_above = (p_others * (gone & (p_others > p_kids[..., None]))).sum(-1)  # (B, I, K)
+        gate = children_mass_above(inputs) - removed_above < self.nucleus * left
+        plain = slots.p_x.clamp_max(1.0)
+        return torch.where(gate & (total > 0), torch.maximum(plain, second), plain), None
 
 
 Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule | CascadeDevRule

@@ -34,13 +34,20 @@ def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log()), 0.0).sum(-1)
 
 
+def mass_above(p: Tensor, tokens: Tensor) -> Tensor:
+    """The mass of the tokens strictly more likely than each token: p (..., V), tokens (..., K) -> (..., K).
+
+    One comparison per (token, vocabulary entry) instead of a sort of the vocabulary: 0.26 against
+    0.68 ms for 26 nodes of 4096 tokens and 4 children each on this CPU.
+    """
+    p_tokens = p.gather(-1, tokens)  # (..., K)
+    return torch.where(p[..., None, :] > p_tokens[..., None], p[..., None, :], 0.0).sum(-1)  # (..., K)
+
+
 def in_nucleus(p: Tensor, tokens: Tensor, mass: float) -> Tensor:
     """Whether each token lies in the top set of p holding `mass`: p (..., V), tokens (..., K) -> (..., K) bool.
 
     x is in it iff the tokens strictly more likely than x hold less than `mass` (the top set sorted by p,
-    x's first tie included). One comparison per (token, vocabulary entry) instead of a sort of the
-    vocabulary: 0.26 against 0.68 ms for 26 nodes of 4096 tokens and 4 children each on this CPU.
+    x's first tie included).
     """
-    p_tokens = p.gather(-1, tokens)  # (..., K)
-    above = torch.where(p[..., None, :] > p_tokens[..., None], p[..., None, :], 0.0).sum(-1)  # (..., K)
-    return above < mass
+    return mass_above(p, tokens) < mass

@@ -21,14 +21,14 @@ from inference.rules import (
     GSDBlocksRule,
     GSDRule,
     LanternRule,
-    children_in_nucleus,
+    children_mass_above,
     needs_every_node,
 )
 from inference.sampling import Proposal
 from inference.similarity import in_nucleus
 from inference.tree import StaticTreeSpec, Tree
 from inference.tree_drafting import gumbel_topk
-from inference.verify import TargetView, Uniforms, build_latent_neighbours, prepare_tree, verify
+from inference.verify import TargetView, Uniforms, build_latent_neighbours, prepare_tree, slot_tables, verify
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
 
@@ -141,6 +141,42 @@ def test_a_deterministic_child_holding_all_the_mass_left_is_accepted_with_probab
         assert (verdict.accept_prob[:, 0, :-1] < 1.0).all(), rule
 
 
+@dataclasses.dataclass
+class SlotLoopOnly:
+    """A rule seen without its closed form (`acceptance_at_once`): `slot_tables` then tests slot after slot."""
+
+    rule: object
+
+    def prepare(self, inputs):
+        return self.rule.prepare(inputs)
+
+    def test_slot(self, inputs, state, slot):
+        return self.rule.test_slot(inputs, state, slot)
+
+
+def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers():
+    """Exact, CASCADE and the CASCADE dev rule test every slot of deterministic drafts at once (their residual only
+    removes x): each slot's acceptance and the residual after all children must be the loop's, on trees whose
+    earlier rejected siblings change a later slot's nucleus gate and pooled mass (a wide tree, many seeds)."""
+    vocab, compared = 12, 0
+    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
+    loose = dict(sim_threshold=0.1, pair_threshold=0.2)
+    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_at_once")]
+    rules += [CascadeDevRule(nucleus=m, **loose) for m in (0.3, 0.5, 0.7)]
+    for paths, seed in itertools.product((SMALL_TREE, wide), range(6)):
+        tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
+        inputs = prepare_tree(tree, view, None)
+        for rule in rules:
+            a0, want, residual = slot_tables(rule, inputs)
+            loop_a0, loop_want, loop_residual = slot_tables(SlotLoopOnly(rule), inputs)
+            torch.testing.assert_close(a0, loop_a0, msg=lambda m, r=rule: f"{r}: {m}")
+            torch.testing.assert_close(residual, loop_residual)
+            if want is not None:
+                torch.testing.assert_close(want, loop_want)
+            compared += 1
+    assert compared == 2 * 6 * len(rules)
+
+
 def inner_view(view: TargetView, paths=SMALL_TREE) -> TargetView:
     """The view restricted to the tree's nodes with children, with the full view's leaves as `at_leaf`."""
     structure = StaticTreeSpec(paths).structure(torch.device("cpu"))
@@ -190,7 +226,7 @@ def test_a_view_of_the_inner_nodes_decides_as_the_view_of_every_node(mode):
 
 
 def test_the_nucleus_gate_reads_the_same_per_node_as_per_slot():
-    """CASCADE's confidence gate tests a tree with many empty slots once per node (`children_in_nucleus`);
+    """CASCADE's confidence gate tests a tree with many empty slots once per node (`children_mass_above`);
     it must answer what the per-slot test answers on every usable slot, over every node or the inner ones."""
     checked = {"per node": 0, "per slot": 0}
     uneven = ((0,), (1,), (2,), (3,), (3, 0), (3, 1), (2, 0), (3, 0, 0))  # inner nodes 0, 3, 4, 5: rows 0-3
@@ -201,7 +237,7 @@ def test_the_nucleus_gate_reads_the_same_per_node_as_per_slot():
             inputs = prepare_tree(tree, target_view, None)
             form = "per node" if inputs.children.numel() > 4 * tree.tokens.numel() else "per slot"
             for mass in (0.3, 0.8):
-                got = children_in_nucleus(inputs, mass)
+                got = children_mass_above(inputs) < mass
                 want = in_nucleus(inputs.probs, inputs.kid_tokens, mass)
                 assert torch.equal(got & inputs.usable, want & inputs.usable), (paths, seed, width, form, mass)
                 assert 0 < int((want & inputs.usable).sum()) < int(inputs.usable.sum())  # the gate decides
