@@ -1,0 +1,278 @@
+"""The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9): LANTERN and
+LANTERN++, the two GSD rules, and the CASCADE development code's rule. They change the residual or relax without
+a budget, so they carry no TV guarantee; `inference.rules` holds the registry of every rule and their shared
+interface (`test_slot`, `acceptance_at_once`).
+
+Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
+width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inference.rule_inputs import (
+    RemovalSlots,
+    SlotInputs,
+    SlotTest,
+    TreeInputs,
+    children_mass_above,
+    exact_acceptance,
+    exact_residual,
+)
+from inference.similarity import in_nucleus
+
+
+def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
+    """(..., V) bool mask that is True at `index` (..., M) where `keep` (..., M); no host sync (unlike one_hot)."""
+    mask = torch.zeros(*shape[:-1], shape[-1] + 1, dtype=torch.bool, device=index.device)
+    return mask.scatter_(-1, torch.where(keep, index, shape[-1]), True)[..., : shape[-1]]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LanternRule:
+    """LANTERN (lam None) or LANTERN++ (lam set), as jadohu/LANTERN `evaluate_posterior` does it.
+
+    p~(x) = p(x) + the largest prefix sum of p over x's k nearest codebook latents that stays <= delta
+    (LANTERN) or <= (lam - 1) p(x) (LANTERN++); accept w.p. min(1, p~(x) / q(x)). On rejection x is
+    removed and, if anything was pooled, its k + 1 nearest latents too ("code", the authors' code) or
+    only the pooled ones ("pooled"). On sampled (static) trees the LlamaGen/Anole file zeroes the
+    proposal q at those latents before relu(p - q), so they keep their p (`static_zeroes="q"`); the
+    Lumina file zeroes p (`static_zeroes="p"`).
+    """
+
+    neighbours: Tensor
+    """(V, L >= k + 1) int64: each code's other codes, nearest first (`build_latent_neighbours`)."""
+    k: int = 1000
+    delta: float = 0.1
+    lam: float | None = None
+    reject_zeroes: str = "code"
+    static_zeroes: str = "q"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"lantern k must be >= 1, got {self.k}")
+        if self.neighbours.shape[1] < self.k + (self.reject_zeroes == "code"):
+            raise ValueError(f"neighbour table has {self.neighbours.shape[1]} columns, k={self.k} needs more")
+        if self.reject_zeroes not in ("code", "pooled"):
+            raise ValueError(f"reject_zeroes must be 'code' or 'pooled', got {self.reject_zeroes!r}")
+        if self.static_zeroes not in ("q", "p"):
+            raise ValueError(
+                f"static_zeroes must be 'q' (LlamaGen file) or 'p' (Lumina file), got {self.static_zeroes!r}"
+            )
+        if self.lam is not None and self.lam < 1:
+            raise ValueError(f"lantern++ needs lam >= 1, got {self.lam}")
+        if not 0 <= self.delta <= 1:
+            raise ValueError(f"lantern delta is a TV bound in [0, 1], got {self.delta}")
+
+    @property
+    def name(self) -> str:
+        return "lantern" if self.lam is None else "lantern++"
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return self.neighbours.to(inputs.probs.device)
+
+    def _pooled(self, table: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor, Tensor]:
+        """Neighbours (B, I, L), which of the first k are pooled (B, I, k), and the pooled mass (B, I)."""
+        near = table[slot.x]  # (B, I, L)
+        cumulative = slot.p.gather(2, near[..., : self.k]).cumsum(-1)  # (B, I, k)
+        bound = self.delta if self.lam is None else (self.lam - 1) * slot.p_x[..., None]
+        allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases
+        return near, allowed, (cumulative * allowed).amax(-1)
+
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+        near, allowed, extra = self._pooled(state, slot)
+        a0 = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
+        if self.reject_zeroes == "code":  # x's k + 1 nearest, if anything was pooled
+            zap, zap_keep = near[..., : self.k + 1], allowed[..., :1]  # (B, I, k + 1), (B, I, 1): a prefix
+        else:
+            zap, zap_keep = near[..., : self.k], allowed
+        if slot.q_draw is None:  # x and the zapped latents to 0 in one scatter (x again where nothing is zapped)
+            x = slot.x[..., None]
+            return SlotTest(a0, None, slot.p.scatter(-1, torch.cat([x, torch.where(zap_keep, zap, x)], -1), 0.0))
+        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep.expand_as(zap))  # (B, I, V)
+        if self.static_zeroes == "q":
+            return SlotTest(a0, None, torch.relu(slot.p - slot.q_draw.masked_fill(zero, 0.0)))
+        return SlotTest(a0, None, torch.relu(slot.p.masked_fill(zero, 0.0) - slot.q_draw))
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return slot.p_x + self._pooled(state, slot)[2]
+
+
+def _descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
+    """Order (..., V) of p, most likely first (stable), and each token's rank in it."""
+    order = p.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(p.shape[-1], device=p.device).expand_as(order))
+    return order, ranks
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GSDBlocksRule:
+    """The CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4): rank-block clusters.
+
+    The cluster of x is the block of G consecutive ranks of the current target distribution holding x;
+    accept w.p. min(1, p(C) / q(C)) with q(C) the proposal mass of the block (1 for deterministic
+    drafts, whose proposal is one-hot at x); on rejection the block is zeroed, then relu(p - q).
+    """
+
+    group: int = 25
+    name: str = "gsd-blocks"
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"gsd-blocks group (cluster size G) must be >= 1, got {self.group}")
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return None
+
+    def _cluster(self, slot: SlotInputs) -> Tensor:
+        _, ranks = _descending_ranks(slot.p)
+        block = ranks // self.group
+        return block == block.gather(2, slot.x[..., None])  # (B, I, V)
+
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+        cluster = self._cluster(slot)
+        mass = (slot.p * cluster).sum(-1)
+        residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x, slot.q_draw)
+        if slot.q_draw is None:  # q(C) = 1
+            return SlotTest(mass.clamp_max(1.0), None, residual)
+        proposal = (slot.q_draw * cluster).sum(-1)
+        return SlotTest((mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None, residual)
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return (slot.p * self._cluster(slot)).sum(-1)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GSDRule:
+    """Grouped speculative decoding as its authors' code does it (junhyukso/GSD,
+    `scheduler/jacobi_iteration_lumina_mgpt.py`; cascade.md Round 2, item 9).
+
+    The cluster of x: the tokens whose rank in the current target distribution lies in the window
+    [r - window/2, r + window/2) around x's rank r, kept where |p(y) - p(x)| < p_threshold and the
+    squared L2 distance of their embeddings to x's is < distance_threshold (x itself always). Accept
+    w.p. min(1, p(C) / q(C)) (q(C) = 1 for deterministic drafts); the residual is relu(p - q), the
+    cluster is not removed.
+    """
+
+    embeddings: Tensor
+    """(V, E) token embeddings the distance is measured on (the authors used the target's input embeddings)."""
+    window: int = 14
+    p_threshold: float = 0.15
+    distance_threshold: float = 0.5
+    name: str = "gsd"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"gsd window must be >= 1, got {self.window}")
+
+    def prepare(self, inputs: TreeInputs) -> Any:
+        return self.embeddings.to(inputs.probs.device).float()
+
+    def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        order, ranks = _descending_ranks(slot.p)
+        vocab = slot.p.shape[-1]
+        rank_x = ranks.gather(2, slot.x[..., None])  # (B, I, 1)
+        offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=slot.p.device)
+        at = rank_x + offsets  # (B, I, W)
+        inside = (at >= 0) & (at < vocab)
+        members = order.gather(2, at.clamp(0, vocab - 1))  # (B, I, W)
+        p_members = slot.p.gather(2, members)
+        distance = (embeddings[members] - embeddings[slot.x][..., None, :]).pow(2).sum(-1)  # (B, I, W)
+        keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
+        keep &= distance < self.distance_threshold
+        keep |= inside & (members == slot.x[..., None])
+        mass = (p_members * keep).sum(-1)
+        if slot.q_draw is None:  # q(C) = 1
+            return mass, None
+        return mass, (slot.q_draw.gather(2, members) * keep).sum(-1)
+
+    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+        mass, proposal = self._cluster_mass(state, slot)
+        a0 = mass.clamp_max(1.0) if proposal is None else (mass / proposal.clamp_min(1e-30)).clamp_max(1.0)
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
+
+    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+        return self._cluster_mass(state, slot)[0]
+
+
+@dataclass
+class CascadeDevState:
+    """Per-slot inputs of the development rule, built once per verification step."""
+
+    convergence: Tensor  # (B, I, K) s where s > sim_threshold and the child is at depth >= 2, else 0
+    pairs: Tensor  # (B, I, K, K) bool: siblings whose drafter distributions have cosine > pair_threshold
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CascadeDevRule:
+    """The CASCADE development code's rule ("final cascade", commit 8c40c9c, `models/ea_model_lumina_mgpt.py`;
+    cascade.md Round 2, item 9), as a comparison: not the method, and with no TV budget.
+
+    A plain test u < p(x)/q(x) first; if it fails and p(x) lies in the nucleus of mass `nucleus` of the
+    current p, a second test with the same u after p(x) += u * S, where S = s (the cosine of the softmaxed
+    last-layer states of x's node and its parent, when s > sim_threshold and x is at depth >= 2) plus
+    p(y) for each sibling y whose drafter distribution has cosine > pair_threshold with x's. Together:
+    accept w.p. min(1, p(x) / (q(x) - S)) (1 when S >= q(x)). Pooled tokens stay in the residual, which
+    is relu(p - q).
+    """
+
+    sim_threshold: float = 0.9
+    pair_threshold: float = 0.5
+    nucleus: float = 0.8
+    name: str = "cascade-dev"
+
+    def prepare(self, inputs: TreeInputs) -> CascadeDevState:
+        if inputs.features is None:
+            raise ValueError("cascade-dev needs TargetView.features (see speculative.build_target_view)")
+        tree, children, tables = inputs.tree, inputs.children, inputs.tables
+        rows = tables.rows[:, None, None]
+        kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0
+        states = inputs.features.float().softmax(-1)  # (B, N, D) softmaxed last-layer states
+        states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        s = (states[rows, kid] * inputs.at_parents(states)[:, :, None]).sum(-1)  # (B, I, K) node vs parent
+        deep = inputs.at_children(tree.depths) >= 2
+        convergence = torch.where((s > self.sim_threshold) & deep & inputs.usable, s, 0.0)
+        q = tree.q_full.float()[rows, kid]  # (B, I, K, V) drafter distribution at each child
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        cosine = q @ q.transpose(-1, -2)  # (B, I, K, K)
+        width = children.shape[-1]
+        other = ~torch.eye(width, dtype=torch.bool, device=children.device)
+        pairs = (cosine > self.pair_threshold) & other & inputs.usable[:, :, None, :] & inputs.usable[..., None]
+        return CascadeDevState(convergence, pairs)
+
+    def test_slot(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> SlotTest:
+        c = slot.slot
+        plain = exact_acceptance(slot)
+        pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, I)
+        total = state.convergence[:, :, c] + pooled
+        second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
+        gate = in_nucleus(slot.p, slot.x[..., None], self.nucleus)[..., 0]
+        a0 = torch.where(gate & (total > 0), torch.maximum(plain, second), plain)
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
+
+    def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
+        return slot.p_x
+
+    def acceptance_at_once(
+        self, inputs: TreeInputs, state: CascadeDevState, slots: RemovalSlots
+    ) -> tuple[Tensor, Tensor | None]:
+        """`test_slot`'s a0 for every slot of deterministic drafts (q(x) = 1; its residual only removes x). Under
+        p_c = p / mass_left[c] without the earlier tested siblings' tokens, a sibling's mass is p(y) / mass_left[c]
+        or 0, and x is in p_c's nucleus iff the mass above x, less the removed tokens', is < nucleus x mass_left[c].
+        -> (B, I, K), None."""
+        p_kids = slots.p.gather(2, inputs.kid_tokens)  # (B, I, K) unnormalised p at every sibling's token
+        gone = inputs.usable[:, :, None, :] & slots.removed_before  # (B, I, K, K) [c, c']: c' removed before c
+        p_others = p_kids[:, :, None, :]  # (B, I, 1, K) the siblings, for each slot c
+        left = slots.mass_left
+        pooled = ((p_others * (state.pairs & ~gone)).sum(-1) / left).nan_to_num_(0.0)  # (B, I, K); 0 / 0 past all
+        total = state.convergence + pooled
+        second = torch.where(total < 1.0, slots.p_x / (1.0 - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
+        removed_above = (p_others * (gone & (p_others > p_kids[..., None]))).sum(-1)  # (B, I, K)
+        gate = children_mass_above(inputs) - removed_above < self.nucleus * left
+        plain = slots.p_x.clamp_max(1.0)
+        return torch.where(gate & (total > 0), torch.maximum(plain, second), plain), None
