@@ -199,6 +199,39 @@ class GSDRule:
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return self._cluster_mass(state, slot)[0]
 
+    def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, None]:
+        """`test_slot`'s a0 for every slot of deterministic drafts (q(C) = 1; the residual only removes x), from one
+        sort of p instead of one per slot. p_c is p without the earlier tested siblings' tokens, over mass_left[c]:
+        its positive tokens keep p's order, the removed ones join the zeros, which sort by token id. So x's rank
+        under p_c is its rank under p, less the removed tokens ranked above it (a zero x: less the removed positive
+        tokens with a larger id, which now sort after it), and the r-th token of p_c's order is the r-th of p's
+        order that was not removed, at p-rank r + #{i : s_i - i <= r} (s the removed tokens' p-ranks, ascending).
+        A rank past p_c's positive tokens holds no mass, whichever token it is. -> (B, I, K), None."""
+        p, tokens = slots.p, inputs.kid_tokens  # (B, I, V), (B, I, K)
+        vocab, width = p.shape[-1], tokens.shape[-1]
+        order, ranks = _descending_ranks(p)  # (B, I, V) each
+        kid_ranks, p_kids = ranks.gather(2, tokens), p.gather(2, tokens)  # (B, I, K) each
+        gone = inputs.usable[:, :, None, :] & slots.removed_before  # (B, I, K, K) [c, c']: c' removed before c
+        other_ranks = kid_ranks[:, :, None, :]  # (B, I, 1, K)
+        above = gone & (other_ranks < kid_ranks[..., None])  # removed and ranked above x
+        after = gone & (p_kids[:, :, None, :] > 0) & (tokens[:, :, None, :] > tokens[..., None])  # positive, larger id
+        rank_x = kid_ranks - torch.where(p_kids > 0, above.sum(-1), after.sum(-1))  # (B, I, K) rank under p_c
+        offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=p.device)
+        at = rank_x[..., None] + offsets  # (B, I, K, W) ranks under p_c
+        inside = (at >= 0) & (at < vocab)
+        skipped = torch.where(gone, other_ranks, vocab + width).sort(-1).values  # (B, I, K, K) s, ascending
+        skipped = skipped - torch.arange(width, device=p.device)  # s_i - i
+        at_p = at + (skipped[:, :, :, None, :] <= at[..., None]).sum(-1)  # (B, I, K, W) p-ranks
+        members = order.gather(2, at_p.clamp(0, vocab - 1).flatten(2)).view_as(at_p)  # (B, I, K, W)
+        p_members = p.gather(2, members.flatten(2)).view_as(members) * (at_p < vocab)  # unnormalised, 0 past V
+        distance = (state[members] - state[tokens][..., None, :]).pow(2).sum(-1)  # (B, I, K, W)
+        left = slots.mass_left[..., None]  # (B, I, K, 1) p_c's normaliser
+        keep = inside & ((p_members - p_kids[..., None]).abs() < self.p_threshold * left)
+        keep &= distance < self.distance_threshold
+        keep |= inside & (members == tokens[..., None])
+        mass = ((p_members * keep).sum(-1) / slots.mass_left).nan_to_num_(0.0)  # 0 / 0 only past all the mass
+        return mass.clamp_max(1.0), None
+
 
 @dataclass
 class CascadeDevState:

@@ -155,16 +155,25 @@ class SlotLoopOnly:
 
 
 def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers():
-    """Exact, CASCADE and the CASCADE dev rule test every slot of deterministic drafts at once (their residual only
-    removes x): each slot's acceptance and the residual after all children must be the loop's, on trees whose
-    earlier rejected siblings change a later slot's nucleus gate and pooled mass (a wide tree, many seeds)."""
+    """Exact, CASCADE, the CASCADE dev rule and GSD test every slot of deterministic drafts at once (their residual
+    only removes x): each slot's acceptance and the residual after all children must be the loop's, on trees whose
+    earlier rejected siblings change a later slot's nucleus gate, pooled mass and GSD window (a wide tree, many
+    seeds), and on targets with zeros (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     loose = dict(sim_threshold=0.1, pair_threshold=0.2)
+    embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
     rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_at_once")]
     rules += [CascadeDevRule(nucleus=m, **loose) for m in (0.3, 0.5, 0.7)]
-    for paths, seed in itertools.product((SMALL_TREE, wide), range(6)):
+    rules += [
+        GSDRule(embeddings=embeddings, window=w, p_threshold=t, distance_threshold=d)
+        for w, t, d in ((6, 1.0, 100.0), (3, 0.05, 1.0), (20, 1.0, 100.0), (5, 0.1, 2.0))
+    ]
+    for paths, seed, top in itertools.product((SMALL_TREE, wide), range(6), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
+        if top is not None:  # a top-k target: mass on 6 tokens, the drafts (q's top tokens) often outside them
+            kept = view.probs >= view.probs.topk(top, dim=-1).values[..., -1:]
+            view.probs = (view.probs * kept) / (view.probs * kept).sum(-1, keepdim=True)
         inputs = prepare_tree(tree, view, None)
         for rule in rules:
             a0, want, residual = slot_tables(rule, inputs)
@@ -174,7 +183,7 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
             if want is not None:
                 torch.testing.assert_close(want, loop_want)
             compared += 1
-    assert compared == 2 * 6 * len(rules)
+    assert compared == 2 * 6 * 2 * len(rules)
 
 
 def inner_view(view: TargetView, paths=SMALL_TREE) -> TargetView:
