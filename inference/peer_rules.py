@@ -206,7 +206,9 @@ class GSDRule:
         under p_c is its rank under p, less the removed tokens ranked above it (a zero x: less the removed positive
         tokens with a larger id, which now sort after it), and the r-th token of p_c's order is the r-th of p's
         order that was not removed, at p-rank r + #{i : s_i - i <= r} (s the removed tokens' p-ranks, ascending).
-        A rank past p_c's positive tokens holds no mass, whichever token it is. -> (B, I, K), None."""
+        A rank past p_c's positive tokens holds no mass, whichever token it is. (The slot loop renormalises after each
+        rejection: a rounding that made two adjacent probabilities equal would order them by id there, by p here.)
+        -> (B, I, K), None."""
         p, tokens = slots.p, inputs.kid_tokens  # (B, I, V), (B, I, K)
         vocab, width = p.shape[-1], tokens.shape[-1]
         order, ranks = _descending_ranks(p)  # (B, I, V) each
