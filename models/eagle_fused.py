@@ -172,9 +172,10 @@ class FusedDraftStep:
         With `cfg_scale` and the drafter's own head, which is linear (its norm weight folded in), the
         [cond; uncond] rows are combined before it: head(u + s (c - u)) = head(u) + s (head(c) - head(u)),
         so half the rows go through the widest matmul -> (B, T, Vd), guided. The target's head (EAGLE-1
-        without its own) may not be linear (Janus's is an MLP): its logits come back unguided.
+        without its own) may not be linear (Janus's is an MLP): its logits come back unguided. `weights`: the
+        fused weights the caller already checked (`weights()`); None = checked here.
         """
-        w = self.weights()
+        w = self.weights() if weights is None else weights
         if w.lm_head is None:
             return image_head(hidden), False
         normed = _unit_rms(hidden, w.eps)  # (R, T, H)

@@ -50,6 +50,30 @@ def run_both(model, target, seed: int = 0):
     return passes, module_cache, fused_cache
 
 
+def test_a_drafter_call_checks_its_fused_weights_once(monkeypatch):
+    """The rebuild check walks every parameter; `EagleDrafter.forward` makes it once and hands the weights to
+    both the step and `draft_logits`."""
+    target = build_tiny_toy_target()
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), target)
+    checks = 0
+    check = drafter.step.weights
+
+    def counted():
+        nonlocal checks
+        checks += 1
+        return check()
+
+    monkeypatch.setattr(drafter.step, "weights", counted)
+    config, rows = drafter.model.config, 2
+    cache = KVCache.allocate(1, rows, config.kv_heads, 8, config.head_dim)
+    tokens = torch.zeros(rows, 3, dtype=torch.long)
+    features = torch.randn(rows, 3, config.feature_width)
+    positions = target.image_positions(torch.arange(3)).expand(rows, -1)
+    with torch.no_grad():
+        drafter.forward(features, tokens, positions, cache, from_target=True)
+    assert checks == 1
+
+
 def model_cache(model, rows: int):
     from models.kv_cache import KVCache
 
