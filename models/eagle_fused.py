@@ -1,7 +1,7 @@
 """The decoding form of an EAGLE drafter: fused projections, 2-D matmuls, rotary on q, k and v at once.
 
 `FusedDraftStep(model)` computes what `EagleDraftModel.forward` followed by `draft_logits` computes
-through a KV cache, in under half the aten ops per call (54 against 116 for the toy's EAGLE-3 head).
+through a KV cache, in under half the aten ops per call (48 against 116 for the toy's EAGLE-3 head on CPU).
 Decoding runs the drafter once per tree level, and on a GPU every eager op is a kernel launch (on this
 CPU about 5-10 us each), so the drafter's op count, not its arithmetic, is what a speculative step
 pays for it:
@@ -17,7 +17,9 @@ pays for it:
   v's heads ride along with frequency 0 (x cos 0 + roll(x) sin 0 = x exactly), so k | v leaves as
   one block that the cache stores with one copy (`KVCache.write_entries`); the heads are transposed
   once, before q and k | v are split off as views;
-- the RMSNorm weights are folded into the projection that follows each norm.
+- the RMSNorm weights are folded into the projection that follows each norm; on CPU, where `F.rms_norm`
+  runs as five ops (pow, mean, add, rsqrt, mul), each norm is three, x / hypot(||x||, sqrt(eps H)),
+  whose missing factor sqrt(H) is folded in too (on CUDA `F.rms_norm` is one fused kernel and stays).
 
 The fused weights are copies, rebuilt whenever a parameter of the model changes (optimizer steps
 bump `Tensor._version`) or moves, so a drafter that is still training decodes with its current
@@ -54,13 +56,17 @@ class FusedWeights:
     lm_head: Tensor | None  # (H, Vd), EAGLE-3, rows scaled by the final norm's weight
     signed_inv_freq: Tensor  # (h + 2g, 1, E) float32: [-f, f] with f the rotary inverse frequencies, 0 for v's heads
     eps: float  # the norms' epsilon
+    norm_floor: Tensor | None  # () sqrt(eps H): the norms run in `_unit_rms`'s three-op form, sqrt(H) folded in; None = F.rms_norm
 
 
 class FusedDraftStep:
     """One drafter pass through a KV cache with fused weights; see the module docstring."""
 
-    def __init__(self, model: EagleDraftModel) -> None:
+    def __init__(self, model: EagleDraftModel, three_op_norms: bool | None = None) -> None:
+        """`three_op_norms`: run the norms in `_unit_rms`'s three-op form; None = where the model's weights
+        live on the CPU (on CUDA `F.rms_norm` is one fused kernel)."""
         self.model = model
+        self.three_op_norms = three_op_norms
         self._parameters = list(model.parameters())  # walked once: named_modules costs ~0.2 ms a call
         self._weights: FusedWeights | None = None
         self._key: tuple[tuple[int, int], ...] = ()
@@ -78,9 +84,11 @@ class FusedDraftStep:
         model, config = self.model, self.model.config
         attention, mlp = model.layer.self_attn, model.layer.mlp
         layer, device = model.layer, model.fc.weight.device
+        three_op_norms = device.type == "cpu" if self.three_op_norms is None else self.three_op_norms
+        norm_gain = config.hidden_size**0.5 if three_op_norms else 1.0  # what the three-op form leaves out
         qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).t()
         if config.architecture == "eagle3":  # (x * w) @ W = x @ (w[:, None] * W): the norms' scale moves into W
-            qkv = qkv * torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight])[:, None]
+            qkv = qkv * (torch.cat([layer.input_layernorm.weight, layer.hidden_norm.weight]) * norm_gain)[:, None]
         exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
         inv_freq = 1.0 / (config.rope_theta**exponents)  # (E/2,)
         return FusedWeights(
@@ -90,10 +98,10 @@ class FusedDraftStep:
             out=attention.o_proj.weight.t().contiguous(),
             gate_up=(
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
-                * layer.post_attention_layernorm.weight[:, None]
+                * (layer.post_attention_layernorm.weight * norm_gain)[:, None]
             ).contiguous(),  # fmt: skip
             down=mlp.down_proj.weight.t().contiguous(),
-            lm_head=(model.lm_head.weight.t() * model.norm.weight[:, None]).contiguous()
+            lm_head=(model.lm_head.weight.t() * (model.norm.weight * norm_gain)[:, None]).contiguous()
             if config.architecture == "eagle3"
             else None,  # fmt: skip
             signed_inv_freq=torch.cat([-inv_freq, inv_freq])  # (h + 2g, 1, E): zero for the value heads
@@ -104,6 +112,9 @@ class FusedDraftStep:
                 0.0,
             ),
             eps=config.rms_norm_eps,
+            norm_floor=torch.tensor((config.rms_norm_eps * config.hidden_size) ** 0.5, device=device)
+            if three_op_norms
+            else None,  # fmt: skip
         )
 
     def rotary_per_column(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -145,7 +156,7 @@ class FusedDraftStep:
         else:
             hidden = _project(features, w.fc, w.fc_bias) if from_target else features
             # both norms at once: (RT, 2, H) normalised over H, then back to (RT, 2H)
-            attention_input = _unit_rms(torch.cat([embeds, hidden], dim=-1).view(rows * length, 2, -1), w.eps)
+            attention_input = _unit_rms(torch.cat([embeds, hidden], dim=-1).view(rows * length, 2, -1), w)
             attention_input = attention_input.view(rows * length, -1)
         qkv = torch.mm(attention_input, w.qkv).view(rows, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
         # q and k rotate, v turns by angle 0 (x cos 0 + roll(x) sin 0 = x): then k | v is one block for the cache
@@ -157,7 +168,7 @@ class FusedDraftStep:
         )  # (R, h, T, E)
         attended = attended.transpose(1, 2).reshape(rows * length, heads * head_dim)  # (RT, h E)
         h = torch.addmm(hidden, attended, w.out)  # hidden + attention output, (RT, H)
-        gate, up = torch.mm(_unit_rms(h, w.eps), w.gate_up).chunk(2, dim=-1)  # (RT, I) each
+        gate, up = torch.mm(_unit_rms(h, w), w.gate_up).chunk(2, dim=-1)  # (RT, I) each
         return torch.addmm(h, F.silu(gate) * up, w.down).view(rows, length, -1)  # h + MLP, (R, T, H)
 
     def draft_logits(
@@ -178,7 +189,7 @@ class FusedDraftStep:
         w = self.weights() if weights is None else weights
         if w.lm_head is None:
             return image_head(hidden), False
-        normed = _unit_rms(hidden, w.eps)  # (R, T, H)
+        normed = _unit_rms(hidden, w)  # (R, T, H)
         if cfg_scale is None:
             return _project(normed, w.lm_head), False
         cond, uncond = normed.float().chunk(2, dim=0)  # combined in fp32, like logits-space CFG
@@ -192,10 +203,16 @@ def _project(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight_t.shape[1])
 
 
-def _unit_rms(x: Tensor, eps: float) -> Tensor:
-    """RMSNorm without its weight (folded into the next projection), computed in fp32 like `RMSNorm`
-    (`F.rms_norm` upcasts half precision; one fused kernel on CUDA instead of five eager ops)."""
-    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+def _unit_rms(x: Tensor, w: FusedWeights) -> Tensor:
+    """RMSNorm without its weight (folded into the next projection) over the last dim of x (..., H), in fp32
+    like `RMSNorm` -> (...,  H) in x's dtype. With `w.norm_floor` (CPU) it returns x / sqrt(mean(x^2) + eps)
+    divided by sqrt(H), which the next projection's weights carry: x / sqrt(||x||^2 + eps H) is three ops, a
+    norm, a hypot and a division (about 9 against 19 us for `F.rms_norm`'s five on this CPU). Without it,
+    `F.rms_norm`, one fused kernel on CUDA."""
+    if w.norm_floor is None:
+        return F.rms_norm(x, (x.shape[-1],), eps=w.eps)
+    x_float = x.float()
+    return (x_float / torch.hypot(torch.linalg.vector_norm(x_float, dim=-1, keepdim=True), w.norm_floor)).type_as(x)
 
 
 def rotary_tables(positions: Tensor, signed_inv_freq: Tensor) -> tuple[Tensor, Tensor]:
