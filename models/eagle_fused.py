@@ -56,7 +56,8 @@ class FusedWeights:
     lm_head: Tensor | None  # (H, Vd), EAGLE-3, rows scaled by the final norm's weight
     signed_inv_freq: Tensor  # (h + 2g, 1, E) float32: [-f, f] with f the rotary inverse frequencies, 0 for v's heads
     eps: float  # the norms' epsilon
-    norm_floor: Tensor | None  # () sqrt(eps H): the norms run in `_unit_rms`'s three-op form, sqrt(H) folded in; None = F.rms_norm
+    norm_floor: Tensor | None  # () sqrt(eps H): the norms' three-op form (`_unit_rms`), sqrt(H) folded in
+    # above; None = F.rms_norm
 
 
 class FusedDraftStep:
