@@ -19,6 +19,7 @@ K children per node, S the support of a `Proposal` (top-k).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -166,14 +167,14 @@ def draft_dynamic_tree(
     frontier = torch.arange(k, device=device).expand(batch, -1)  # (B, K) candidate ids
     hidden_slot = torch.zeros(batch, k, dtype=torch.long, device=device)  # parent's slot in prev_hidden
     prev_hidden = root_hidden[:, None]  # (R, 1, D)
-    anc = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)  # frontier parents' draft-column ancestry
-    eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, -1, -1)
+    masks = FrontierMasks.at_root(ctx)
     tree_start, base = ctx.cache.length, k  # base: candidates listed before this level's children
     for level in range(1, depth):
-        rows_slot = to_rows(hidden_slot, ctx.cfg)[..., None].expand(-1, -1, prev_hidden.shape[-1])
-        mask = torch.cat([anc.gather(1, hidden_slot[..., None].expand(-1, -1, anc.shape[2])), eye], dim=2)
-        proposal, prev_hidden = ctx.run_level(prev_hidden.gather(1, rows_slot), toks, level, tree_start, mask)
-        anc = mask  # (B, K, J + K): ancestry of this frontier, now cached
+        parent_rows = to_rows(hidden_slot, ctx.cfg)  # (R, K) each node's parent among the previous frontier
+        masks = masks.children(parent_rows)
+        proposal, prev_hidden = ctx.run_level(
+            prev_hidden[masks.row_index, parent_rows], toks, level, tree_start, masks.tree_mask, masks.bias
+        )
         ran_q.append(proposal)
         frontiers.append(frontier)
         child_scores, child_tokens = _log_top(proposal, k)  # (B, K, K)
@@ -218,7 +219,7 @@ def draft_dynamic_tree(
 def _log_top(q: Proposal, k: int) -> tuple[Tensor, Tensor]:
     """log q of q's k likeliest tokens (-1e30 for zeros, which keeps sums finite) and their ids, (..., k) each."""
     probs, tokens = q.top(k)
-    return torch.where(probs > 0, probs.clamp_min(1e-30).log(), -1e30), tokens
+    return probs.log().clamp_min(-1e30), tokens  # log 0 = -inf; the least positive fp32 gives -103
 
 
 def draft_sampled_dynamic_tree(
@@ -258,7 +259,7 @@ def draft_sampled_dynamic_tree(
     level_proposal, level_hidden = root[:, None], root_hidden[:, None]  # (B, M, .) q, (R, M, D) of this level
     level_q = root_q[:, None]  # (B, M, V)
     level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
-    anc = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # (B, M, J) draft-column ancestry
+    masks = FrontierMasks.at_root(ctx)
     offset, tree_start = 0, ctx.cache.length
     for level in range(1, depth + 1):
         sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
@@ -278,20 +279,13 @@ def draft_sampled_dynamic_tree(
         offset += level_q.shape[1]
         if level == depth:
             break
-        mask = torch.cat(
-            [
-                anc.gather(1, parent_slot[..., None].expand(-1, -1, anc.shape[2])),
-                _eye(batch, new_tokens.shape[1], device),
-            ],
-            dim=2,
-        )
-        rows_slot = to_rows(parent_slot, ctx.cfg)[..., None].expand(-1, -1, level_hidden.shape[-1])
+        parent_rows = to_rows(parent_slot, ctx.cfg)  # (R, W)
+        masks = masks.children(parent_rows)
         level_proposal, level_hidden = ctx.run_level(
-            level_hidden.gather(1, rows_slot), new_tokens, level, tree_start, mask
+            level_hidden[masks.row_index, parent_rows], new_tokens, level, tree_start, masks.tree_mask, masks.bias
         )
         level_q = level_proposal.dense()  # (B, W, V)
         q_levels.append(level_q)
-        anc = mask
     all_tokens = torch.cat(tokens, 1)
     num_nodes = all_tokens.shape[1]
     q_full = torch.zeros(batch, num_nodes, vocab, device=device)
@@ -312,8 +306,51 @@ def draft_sampled_dynamic_tree(
     )
 
 
-def _eye(batch: int, size: int, device: torch.device) -> Tensor:
-    return torch.eye(size, dtype=torch.bool, device=device).expand(batch, -1, -1)
+@dataclass(frozen=True)
+class FrontierMasks:
+    """What the drafter attends to from each node of a dynamic tree's frontier, level by level.
+
+    `bias` (R, W, start + J) is the additive attention bias (0 or -inf) over the committed columns and the
+    J draft columns before the frontier's own W: the committed columns' validity, then the node's ancestors
+    and itself. A level's mask is its parents' rows plus an identity block, one index and one concatenation,
+    and the drafter gets it whole (`Drafter.forward`'s `attention_mask`: no per-level context concatenation,
+    no bool-to-bias conversion inside attention, no validity marks for draft columns).
+    """
+
+    bias: Tensor  # (R, W, start + J) additive bias
+    tree_start: int  # the first draft column
+    row_index: Tensor  # (R, 1) arange: pairs with a (R, W) slot index to pick each row's parents
+
+    @classmethod
+    def at_root(cls, ctx: DraftContext) -> FrontierMasks:
+        """The root's row (R, 1, start): it sees the committed columns that are valid."""
+        cache = ctx.cache
+        bias = attention_bias(cache.column_valid[:, None, : cache.length], cache.entries.dtype)
+        return cls(bias, cache.length, _row_index(cache.rows, bias.device))
+
+    def children(self, parent_rows: Tensor) -> FrontierMasks:
+        """The next frontier, whose node w has parent `parent_rows[:, w]` (R, W') among this one's W."""
+        own = _identity_bias(parent_rows.shape[1], self.bias.dtype, self.bias.device)  # (W', W')
+        parents = self.bias[self.row_index, parent_rows]  # (R, W', start + J)
+        return FrontierMasks(torch.cat([parents, own.expand(parents.shape[0], -1, -1)], dim=2), self.tree_start,
+                             self.row_index)  # fmt: skip
+
+    @property
+    def tree_mask(self) -> Tensor:
+        """(R, W, J + W) bool over the draft columns: `Drafter.forward`'s `tree_mask`."""
+        return self.bias[:, :, self.tree_start :] == 0
+
+
+@functools.lru_cache(maxsize=16)
+def _identity_bias(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(size, size) additive bias letting each node see only itself; a shared constant, never written to."""
+    return attention_bias(torch.eye(size, dtype=torch.bool, device=device), dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_index(rows: int, device: torch.device) -> Tensor:
+    """(rows, 1) arange; a shared constant, never written to."""
+    return torch.arange(rows, device=device)[:, None]
 
 
 def exponential_race(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> Tensor:

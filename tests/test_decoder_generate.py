@@ -379,6 +379,52 @@ def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the
     assert max(depth_of) == spec.max_depth - 1
 
 
+@pytest.mark.parametrize("tree", ["dynamic", "dynamic-sampled"])
+def test_a_dynamic_trees_level_masks_are_each_nodes_ancestors_after_the_committed_columns(tiny_target, tree):
+    """Each level of a dynamic tree hands the drafter its whole mask as the additive bias: the committed columns'
+    validity, then every node's ancestors and itself among the draft columns. The expected masks are rebuilt
+    here from which node each node's features came from: a node's features are its parent's output hidden."""
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    forward, checked, deepest = drafter.forward, [], [0]
+    previous: dict[str, torch.Tensor] = {}
+
+    def checking_forward(features, tokens, positions, cache, **kwargs):
+        tree_start = kwargs.get("tree_start")
+        if tree_start is not None:
+            rows, width = tokens.shape
+            if cache.length == tree_start:  # the first level: every node is a child of the root
+                ancestry = torch.zeros(rows, width, 0, dtype=torch.bool)
+                depth = 1
+            else:
+                match = (features[:, :, None, :] == previous["hidden"][:, None, :, :]).all(-1)  # (R, W, W_prev)
+                assert (match.sum(-1) == 1).all()  # each node's features are exactly one earlier node's hidden
+                parent = match.long().argmax(-1)  # (R, W)
+                ancestry = previous["ancestry"][torch.arange(rows)[:, None], parent]  # (R, W, J)
+                depth = previous["depth"] + 1
+            ancestry = torch.cat([ancestry, torch.eye(width, dtype=torch.bool).expand(rows, -1, -1)], dim=2)
+            context = cache.column_valid[:, None, :tree_start].expand(-1, width, -1)
+            expected = torch.cat([context, ancestry], dim=-1)  # (R, W, S)
+            bias = kwargs["attention_mask"]  # additive: 0 where allowed, -inf elsewhere, in the drafter's dtype
+            checked.append(
+                bias.dtype == cache.entries.dtype
+                and torch.equal(bias == 0, expected)
+                and torch.equal(bias == float("-inf"), ~expected)
+                and torch.equal(kwargs["tree_mask"], ancestry)
+            )
+            previous.update(ancestry=ancestry, depth=depth)
+            deepest[0] = max(deepest[0], depth)
+        out = forward(features, tokens, positions, cache, **kwargs)
+        if tree_start is not None:
+            previous["hidden"] = out.hidden
+        return out
+
+    drafter.forward = checking_forward  # type: ignore[method-assign]
+    config = DecoderConfig(tree=tree)
+    generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
+    assert checked and all(checked)
+    assert deepest[0] == config.depth - 1  # levels whose parents are draft columns were checked too
+
+
 def test_a_static_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(tiny_target, monkeypatch):
     """Every level of a sampled static tree draws its children with Exp(1) draws of its own: disjoint rows
     of one block drawn per tree (shared rows would correlate the draws of different levels)."""
