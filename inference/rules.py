@@ -144,32 +144,29 @@ class CascadeRule:
             raise ValueError("the cascade rule needs TargetView.features (see speculative.build_target_view)")
         tree, children, usable, tables = inputs.tree, inputs.children, inputs.usable, inputs.tables
         width = children.shape[-1]
-        rows = tables.rows[:, None]
         feats = centred_unit(inputs.features)  # (B, N, D): cosines become dot products
-        kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0
-        kid_feats = feats[rows[..., None], kid]  # (B, I, K, D)
-        to_parent = (kid_feats * inputs.at_parents(feats)[:, :, None]).sum(-1)  # (B, I, K): sim(F[x], F[u])
+        cosines = torch.bmm(feats, feats.transpose(1, 2))  # (B, N, N) every pair of nodes, one matmul
+        # each slot against its siblings (itself included), then against its parent: one gather off the table
+        sims = cosines.flatten(1).gather(1, tables.similarity_index).view(*children.shape, width + 1)
+        sibling_sim, to_parent = sims[..., :width], sims[..., width]  # (B, I, K, K): sim(F[x], F[m]), (B, I, K)
         if self.conv_mode == "sibling":
-            converged = to_parent >= self.tau_seq
+            converged = to_parent >= self.tau_seq  # sim(F[x], F[u])
         else:
+            rows = tables.rows[:, None]
             grand = tree.parents.clamp_min(0)  # (B, N)
             up = (feats * feats[rows, grand]).sum(-1)  # (B, N): sim(F[u], F[parent(u)])
             converged = inputs.at_parents((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
         if self.kl_gate is not None:  # target distributions at every node (`needs_every_node`)
-            kid_p = inputs.probs[rows[..., None], kid]  # (B, N, K, V)
+            kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0
+            kid_p = inputs.probs[tables.rows[:, None, None], kid]  # (B, N, K, V)
             converged = converged & (kl_divergence(kid_p, inputs.probs[:, :, None]) < self.kl_gate)
         converged = converged & usable if self.use_convergence else torch.zeros_like(usable)
-        siblings = inputs.kid_tokens[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, K)
-        sibling_sim = kid_feats @ kid_feats.transpose(-1, -2)  # (B, I, K, K)
         interchangeable = (sibling_sim >= self.tau_pos) & usable[:, :, None, :]
         if not self.use_interchangeability:
             interchangeable = torch.zeros_like(interchangeable)
-        grand_kids = tables.grandchildren  # (B, I, K, K) children of each child
-        grand_tokens = tree.tokens.gather(1, grand_kids.clamp_min(0).flatten(1)).view_as(grand_kids)
-        own = inputs.at_parents(tree.tokens)[:, :, None, None].expand(-1, -1, width, 1)  # (B, I, K, 1) parent's token
-        candidates = torch.cat([siblings, grand_tokens, own], dim=-1)  # (B, I, K, C)
-        adjacent = torch.cat([(grand_kids >= 0), torch.ones_like(own, dtype=torch.bool)], dim=-1)
-        pooled = torch.cat([interchangeable, adjacent & converged[..., None]], dim=-1)
+        # the tokens at each slot's siblings, its own children and its parent, (B, I, K, C): one gather
+        candidates = tree.tokens.gather(1, tables.pooling_index).view(*children.shape, -1)
+        pooled = torch.cat([interchangeable, tables.pooling_adjacent & converged[..., None]], dim=-1)
         pooled &= candidates != inputs.kid_tokens[..., None]  # never x itself
         earlier = strictly_lower(pooled.shape[-1], pooled.device)  # (C, C)
         repeat = ((candidates[..., :, None] == candidates[..., None, :]) & pooled[..., None, :] & earlier).any(-1)

@@ -161,6 +161,7 @@ class WalkTables:
     deepest_first: Tensor  # (B, N) depth * (N + 1) - n: its argmax over a set of nodes is the deepest, first in order
     all_children: Tensor  # (B, N, K) the children of every node, -1 padded (`Tree.children`)
     parent_paths: Tensor  # (B, I, P) the parents' root-to-node paths, -1 padded
+    nodes: Selection  # the parent nodes (None: every node, I = N)
 
     @classmethod
     def build(cls, tree: Tree, nodes: Tensor | None) -> WalkTables:
@@ -178,6 +179,7 @@ class WalkTables:
             deepest_first=tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=children.device),
             all_children=tree.children,
             parent_paths=select(paths, nodes),
+            nodes=nodes,
         )
 
     def at_children(self, values: Tensor) -> Tensor:
@@ -203,6 +205,39 @@ class WalkTables:
         index = self.child_index[..., None].expand(-1, -1, width)  # (B, I K, K)
         grandchildren = self.all_children.gather(1, index).view(batch, parents, width, width)
         return torch.where(self.has_child[..., None], grandchildren, -1)
+
+    @cached_property
+    def parent_nodes(self) -> Tensor:
+        """(B, I, 1, 1) int64 the parent nodes' ids, shaped to stand beside a (B, I, K, .) table."""
+        batch, parents = self.children.shape[:2]
+        nodes = torch.arange(parents, device=self.children.device) if self.nodes is None else self.nodes
+        return nodes.view(1, -1, 1, 1).expand(batch, -1, -1, -1)
+
+    @cached_property
+    def pooling_index(self) -> Tensor:
+        """(B, I K (2K + 1)) node ids of the tokens CASCADE may pool for each child slot, padding at node 0: its
+        siblings (itself included), its own children, its parent. `pooling_adjacent` and the slots' usability
+        say which are real."""
+        width = self.children.shape[2]
+        siblings = self.children[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, K)
+        parent = self.parent_nodes.expand(-1, -1, width, 1)  # (B, I, K, 1)
+        return torch.cat([siblings, self.grandchildren, parent], dim=-1).clamp_min(0).flatten(1)
+
+    @cached_property
+    def pooling_adjacent(self) -> Tensor:
+        """(B, I, K, K + 1) bool: which of each child slot's own children exist, then True for its parent."""
+        exists = self.grandchildren >= 0  # (B, I, K, K)
+        return torch.cat([exists, torch.ones_like(exists[..., :1])], dim=-1)
+
+    @cached_property
+    def similarity_index(self) -> Tensor:
+        """(B, I K (K + 1)) positions in a flattened (N, N) table of node pairs: each child slot against every
+        sibling slot (itself included), then against its parent; padding at node 0."""
+        num_nodes, width = self.all_children.shape[1], self.children.shape[2]
+        kids = self.child_index.view_as(self.children)  # (B, I, K)
+        others = torch.cat([kids[:, :, None, :].expand(-1, -1, width, -1), self.parent_nodes.expand(-1, -1, width, 1)],
+                           dim=-1)  # fmt: skip
+        return (kids[..., None] * num_nodes + others).flatten(1)  # (B, I K (K + 1))
 
 
 @dataclass(frozen=True)
