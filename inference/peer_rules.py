@@ -9,6 +9,7 @@ width.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,18 @@ def _descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
     return order, ranks
 
 
+@functools.lru_cache(maxsize=8)
+def _window_offsets(window: int, device: torch.device) -> Tensor:
+    """(W,) rank offsets of GSD's window around x: -W/2 .. W - W/2 - 1; a shared constant, never written to."""
+    return torch.arange(-(window // 2), window - window // 2, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _window_centre(window: int, device: torch.device) -> Tensor:
+    """(W,) bool, True at offset 0 (x's own rank); a shared constant, never written to."""
+    return _window_offsets(window, device) == 0
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDBlocksRule:
     """The CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4): rank-block clusters.
@@ -174,18 +187,19 @@ class GSDRule:
         return self.embeddings.to(inputs.probs.device).float()
 
     def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
-        order, ranks = _descending_ranks(slot.p)
-        vocab = slot.p.shape[-1]
-        rank_x = ranks.gather(2, slot.x[..., None])  # (B, I, 1)
-        offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=slot.p.device)
-        at = rank_x + offsets  # (B, I, W)
-        inside = (at >= 0) & (at < vocab)
-        members = order.gather(2, at.clamp(0, vocab - 1))  # (B, I, W)
+        order = slot.p.argsort(dim=-1, descending=True, stable=True)  # (B, I, V)
+        vocab, centre = slot.p.shape[-1], self.window // 2
+        rank_x = (order == slot.x[..., None]).max(-1, keepdim=True).indices  # (B, I, 1) x's place in the order
+        at = rank_x + _window_offsets(self.window, slot.p.device)  # (B, I, W): x's rank at `centre`
+        clipped = at.clamp(0, vocab - 1)
+        inside = clipped == at
+        members = order.gather(2, clipped)  # (B, I, W), x at `centre`
         p_members = slot.p.gather(2, members)
-        distance = (embeddings[members] - embeddings[slot.x][..., None, :]).pow(2).sum(-1)  # (B, I, W)
+        member_embeddings = embeddings[members]  # (B, I, W, E)
+        distance = (member_embeddings - member_embeddings[..., centre : centre + 1, :]).pow(2).sum(-1)  # (B, I, W)
         keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
         keep &= distance < self.distance_threshold
-        keep |= inside & (members == slot.x[..., None])
+        keep |= _window_centre(self.window, slot.p.device)  # x itself, always
         mass = (p_members * keep).sum(-1)
         if slot.q_draw is None:  # q(C) = 1
             return mass, None
