@@ -25,7 +25,6 @@ from inference.rule_inputs import (
     exact_acceptance,
     exact_residual,
 )
-from inference.similarity import in_nucleus
 
 
 def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
@@ -232,8 +231,7 @@ class GSDRule:
         above = gone & (other_ranks < kid_ranks[..., None])  # removed and ranked above x
         after = gone & (p_kids[:, :, None, :] > 0) & (tokens[:, :, None, :] > tokens[..., None])  # positive, larger id
         rank_x = kid_ranks - torch.where(p_kids > 0, above.sum(-1), after.sum(-1))  # (B, I, K) rank under p_c
-        offsets = torch.arange(-(self.window // 2), self.window - self.window // 2, device=p.device)
-        at = rank_x[..., None] + offsets  # (B, I, K, W) ranks under p_c
+        at = rank_x[..., None] + _window_offsets(self.window, p.device)  # (B, I, K, W) ranks under p_c
         inside = (at >= 0) & (at < vocab)
         skipped = torch.where(gone, other_ranks, vocab + width).sort(-1).values  # (B, I, K, K) s, ascending
         skipped = skipped - torch.arange(width, device=p.device)  # s_i - i
@@ -244,7 +242,7 @@ class GSDRule:
         left = slots.mass_left[..., None]  # (B, I, K, 1) p_c's normaliser
         keep = inside & ((p_members - p_kids[..., None]).abs() < self.p_threshold * left)
         keep &= distance < self.distance_threshold
-        keep |= inside & (members == tokens[..., None])
+        keep |= _window_centre(self.window, p.device)  # x itself, always (at the centre: its own rank)
         mass = ((p_members * keep).sum(-1) / slots.mass_left).nan_to_num_(0.0)  # 0 / 0 only past all the mass
         return mass.clamp_max(1.0), None
 
@@ -255,6 +253,11 @@ class CascadeDevState:
 
     convergence: Tensor  # (B, I, K) s where s > sim_threshold and the child is at depth >= 2, else 0
     pairs: Tensor  # (B, I, K, K) bool: siblings whose drafter distributions have cosine > pair_threshold
+
+    @functools.cached_property
+    def per_slot(self) -> list[tuple[Tensor, Tensor]]:
+        """(convergence (B, I), pairs (B, I, K)) of each slot: split once for the slot loop, not selected per slot."""
+        return list(zip(self.convergence.unbind(2), self.pairs.unbind(2), strict=True))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -295,13 +298,15 @@ class CascadeDevRule:
         return CascadeDevState(convergence, pairs)
 
     def test_slot(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> SlotTest:
-        c = slot.slot
+        convergence, pairs = state.per_slot[slot.slot]  # (B, I), (B, I, K)
         plain = exact_acceptance(slot)
-        pooled = (slot.p.gather(2, inputs.kid_tokens) * state.pairs[:, :, c]).sum(-1)  # (B, I)
-        total = state.convergence[:, :, c] + pooled
-        second = torch.where(slot.q_x > total, slot.p_x / (slot.q_x - total).clamp_min(1e-30), 1.0).clamp_max(1.0)
-        gate = in_nucleus(slot.p, slot.x[..., None], self.nucleus)[..., 0]
-        a0 = torch.where(gate & (total > 0), torch.maximum(plain, second), plain)
+        total = convergence + (slot.p.gather(2, inputs.kid_tokens) * pairs).sum(-1)  # (B, I) S
+        # min(1, p(x) / (q(x) - S)), and 1 where S >= q(x): there p(x) / 0 is inf, or NaN for p(x) = 0, both -> 1
+        second = (slot.p_x / (slot.q_x - total).clamp_min(0.0)).nan_to_num_(1.0).clamp_max(1.0)
+        gate = (slot.p * (slot.p > slot.p_x[..., None])).sum(-1) < self.nucleus  # x in p's nucleus: less mass above it
+        # with S > 0, q(x) - S < q(x) and the second test accepts at least as often as the plain one (both are
+        # monotone in floating point too): the larger of the two is the second
+        a0 = torch.where(gate & (total > 0), second, plain)
         return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:

@@ -1,7 +1,8 @@
 """Similarity and distribution measures of the CASCADE-family rules (cascade.md §4.1, Round 2 item 8).
 
 Mean-centred cosine similarity of hidden states (and its unit vectors, whose dot products are the
-cosines), the KL divergence between target distributions, and membership of the target's nucleus.
+cosines), the KL divergence between target distributions, and the mass above a token, which says whether it lies in
+the target's nucleus: x is in the top set holding `mass` iff the tokens strictly more likely than x hold less.
 
 Shapes: "..." any leading dims, D feature width, V vocabulary, K tokens asked about.
 """
@@ -43,12 +44,3 @@ def mass_above(p: Tensor, tokens: Tensor) -> Tensor:
     p_tokens = p.gather(-1, tokens)  # (..., K)
     rows = p[..., None, :]  # (..., 1, V)
     return (rows * (rows > p_tokens[..., None])).sum(-1)  # (..., K); a product, not a where: no scalar tensor
-
-
-def in_nucleus(p: Tensor, tokens: Tensor, mass: float) -> Tensor:
-    """Whether each token lies in the top set of p holding `mass`: p (..., V), tokens (..., K) -> (..., K) bool.
-
-    x is in it iff the tokens strictly more likely than x hold less than `mass` (the top set sorted by p,
-    x's first tie included).
-    """
-    return mass_above(p, tokens) < mass
