@@ -186,12 +186,13 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         q_kids = (torch.ones_like(p[..., 0]),) * children.shape[-1]  # (B, I) one-hot proposals
     width = children.shape[-1]
     tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
-    kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1)
+    kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1), to gather with
+    kid_x = inputs.kid_tokens.unbind(-1)  # K x (B, I): one op, not a select per slot
     a0s, wants = [], []
     for c in range(width):
         x = kid_tokens[c]  # (B, I, 1)
         q_draw = None if q_left is None else normalise_or_uniform(q_left)
-        slot = SlotInputs(c, p, x[..., 0], p.gather(2, x)[..., 0], q_kids[c], q_draw)
+        slot = SlotInputs(c, p, kid_x[c], p.gather(2, x)[..., 0], q_kids[c], q_draw)
         test = rule.test_slot(inputs, state, slot)
         a0s.append(test.a0)
         if test.want is not None:  # budgeted rules only
