@@ -161,7 +161,7 @@ class WalkTables:
     deepest_first: Tensor  # (B, N) depth * (N + 1) - n: its argmax over a set of nodes is the deepest, first in order
     all_children: Tensor  # (B, N, K) the children of every node, -1 padded (`Tree.children`)
     parent_paths: Tensor  # (B, I, P) the parents' root-to-node paths, -1 padded
-    nodes: Selection  # the parent nodes (None: every node, I = N)
+    nodes: Tensor | None  # (I,) the parent nodes (None: every node, I = N)
 
     @classmethod
     def build(cls, tree: Tree, nodes: Tensor | None) -> WalkTables:
