@@ -168,12 +168,12 @@ def draft_dynamic_tree(
     hidden_slot = torch.zeros(batch, k, dtype=torch.long, device=device)  # parent's slot in prev_hidden
     prev_hidden = root_hidden[:, None]  # (R, 1, D)
     masks = FrontierMasks.at_root(ctx)
-    tree_start, base = ctx.cache.length, k  # base: candidates listed before this level's children
+    base = k  # candidates listed before this level's children
     for level in range(1, depth):
         parent_rows = to_rows(hidden_slot, ctx.cfg)  # (R, K) each node's parent among the previous frontier
         masks = masks.children(parent_rows)
         proposal, prev_hidden = ctx.run_level(
-            prev_hidden[masks.row_index, parent_rows], toks, level, tree_start, masks.tree_mask, masks.bias
+            prev_hidden[masks.row_index, parent_rows], toks, level, masks.tree_start, masks.tree_mask, masks.bias
         )
         ran_q.append(proposal)
         frontiers.append(frontier)
@@ -260,7 +260,7 @@ def draft_sampled_dynamic_tree(
     level_q = root_q[:, None]  # (B, M, V)
     level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
     masks = FrontierMasks.at_root(ctx)
-    offset, tree_start = 0, ctx.cache.length
+    offset = 0
     for level in range(1, depth + 1):
         sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
         level_width = min(width if level > 1 else min(width, k), sorted_q.shape[1] * k)  # known without a sync
@@ -282,7 +282,7 @@ def draft_sampled_dynamic_tree(
         parent_rows = to_rows(parent_slot, ctx.cfg)  # (R, W)
         masks = masks.children(parent_rows)
         level_proposal, level_hidden = ctx.run_level(
-            level_hidden[masks.row_index, parent_rows], new_tokens, level, tree_start, masks.tree_mask, masks.bias
+            level_hidden[masks.row_index, parent_rows], new_tokens, level, masks.tree_start, masks.tree_mask, masks.bias
         )
         level_q = level_proposal.dense()  # (B, W, V)
         q_levels.append(level_q)

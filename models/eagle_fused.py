@@ -206,7 +206,7 @@ def _project(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _unit_rms(x: Tensor, w: FusedWeights) -> Tensor:
     """RMSNorm without its weight (folded into the next projection) over the last dim of x (..., H), in fp32
-    like `RMSNorm` -> (...,  H) in x's dtype. With `w.norm_floor` (CPU) it returns x / sqrt(mean(x^2) + eps)
+    like `RMSNorm` -> (..., H) in x's dtype. With `w.norm_floor` (CPU) it returns x / sqrt(mean(x^2) + eps)
     divided by sqrt(H), which the next projection's weights carry: x / sqrt(||x||^2 + eps H) is three ops, a
     norm, a hypot and a division (about 9 against 19 us for `F.rms_norm`'s five on this CPU). Without it,
     `F.rms_norm`, one fused kernel on CUDA."""
