@@ -73,34 +73,47 @@ class LanternRule:
     def name(self) -> str:
         return "lantern" if self.lam is None else "lantern++"
 
-    def prepare(self, inputs: TreeInputs) -> Any:
-        return self.neighbours.to(inputs.probs.device)
+    def prepare(self, inputs: TreeInputs) -> Tensor:
+        zapped = self.k + 1 if self.reject_zeroes == "code" else self.k
+        return _with_self(self.neighbours, zapped, inputs.probs.device)
 
     def _pooled(self, table: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor, Tensor]:
-        """Neighbours (B, I, L), which of the first k are pooled (B, I, k), and the pooled mass (B, I)."""
-        near = table[slot.x]  # (B, I, L)
-        cumulative = slot.p.gather(2, near[..., : self.k]).cumsum(-1)  # (B, I, k)
-        bound = self.delta if self.lam is None else (self.lam - 1) * slot.p_x[..., None]
-        allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases
+        """x and its neighbours (B, I, 1 + L'), which of x and its k nearest count (B, I, 1 + k; a prefix, x always),
+        and p(x) plus the pooled mass (B, I)."""
+        near = table[slot.x]  # (B, I, 1 + L'): x, then its nearest latents
+        counted = near if self.reject_zeroes == "pooled" else near[..., : self.k + 1]
+        cumulative = slot.p.gather(2, counted).cumsum(-1)  # (B, I, 1 + k): p(x), p(x) + the nearest, ...
+        p_x = cumulative[..., :1]
+        # the pooled prefix sum stays <= delta (LANTERN) or <= (lam - 1) p(x) (LANTERN++)
+        bound = p_x + self.delta if self.lam is None else self.lam * p_x
+        allowed = cumulative <= bound  # a prefix: the cumulative mass never decreases; x itself always
         return near, allowed, (cumulative * allowed).amax(-1)
 
-    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
-        near, allowed, extra = self._pooled(state, slot)
-        a0 = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
+    def test_slot(self, inputs: TreeInputs, state: Tensor, slot: SlotInputs) -> SlotTest:
+        near, allowed, relaxed = self._pooled(state, slot)
+        # deterministic drafts propose x with q(x) = 1
+        a0 = relaxed if slot.q_draw is None else relaxed / slot.q_x  # (B, I); `verify` clamps it to 1
         if self.reject_zeroes == "code":  # x's k + 1 nearest, if anything was pooled
-            zap, zap_keep = near[..., : self.k + 1], allowed[..., :1]  # (B, I, k + 1), (B, I, 1): a prefix
-        else:
-            zap, zap_keep = near[..., : self.k], allowed
-        if slot.q_draw is None:  # x and the zapped latents to 0 in one scatter (x again where nothing is zapped)
-            x = slot.x[..., None]
-            return SlotTest(a0, None, slot.p.scatter(-1, torch.cat([x, torch.where(zap_keep, zap, x)], -1), 0.0))
-        zero = scatter_mask(tuple(slot.p.shape), zap, zap_keep.expand_as(zap))  # (B, I, V)
-        if self.static_zeroes == "q":
+            zap_keep = allowed[..., 1:2]  # (B, I, 1): the nearest latent was pooled
+        else:  # only the pooled ones
+            zap_keep = allowed  # (B, I, 1 + k), True at x
+        if slot.q_draw is None:  # x and the zapped latents to 0 in one scatter (x again where one is not zapped)
+            return SlotTest(a0, None, slot.p.scatter(-1, torch.where(zap_keep, near, slot.x_column), 0.0))
+        latents = near[..., 1:]  # (B, I, L'): x is not zapped here, relu(p - q) removes it
+        zero = scatter_mask(tuple(slot.p.shape), latents, zap_keep[..., -latents.shape[-1] :].expand_as(latents))
+        if self.static_zeroes == "q":  # (B, I, V)
             return SlotTest(a0, None, torch.relu(slot.p - slot.q_draw.masked_fill(zero, 0.0)))
         return SlotTest(a0, None, torch.relu(slot.p.masked_fill(zero, 0.0) - slot.q_draw))
 
-    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        return slot.p_x + self._pooled(state, slot)[2]
+    def greedy_mass(self, inputs: TreeInputs, state: Tensor, slot: SlotInputs) -> Tensor:
+        return self._pooled(state, slot)[2]
+
+
+@functools.lru_cache(maxsize=4)
+def _with_self(neighbours: Tensor, width: int, device: torch.device) -> Tensor:
+    """(V, 1 + width) int64: each code, then its `width` nearest other codes; built once per table and device."""
+    codes = torch.arange(neighbours.shape[0], device=device)[:, None]
+    return torch.cat([codes, neighbours[:, :width].to(device)], 1)
 
 
 def _descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,16 +157,16 @@ class GSDBlocksRule:
     def _cluster(self, slot: SlotInputs) -> Tensor:
         _, ranks = _descending_ranks(slot.p)
         block = ranks // self.group
-        return block == block.gather(2, slot.x[..., None])  # (B, I, V)
+        return block == block.gather(2, slot.x_column)  # (B, I, V)
 
     def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         cluster = self._cluster(slot)
         mass = (slot.p * cluster).sum(-1)
-        residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x, slot.q_draw)
-        if slot.q_draw is None:  # q(C) = 1
-            return SlotTest(mass.clamp_max(1.0), None, residual)
+        residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x_column, slot.q_draw)
+        if slot.q_draw is None:  # q(C) = 1; `verify` clamps a0 to 1
+            return SlotTest(mass, None, residual)
         proposal = (slot.q_draw * cluster).sum(-1)
-        return SlotTest((mass / proposal.clamp_min(1e-30)).clamp_max(1.0), None, residual)
+        return SlotTest(mass / proposal.clamp_min(1e-30), None, residual)
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return (slot.p * self._cluster(slot)).sum(-1)
@@ -188,7 +201,7 @@ class GSDRule:
     def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         order = slot.p.argsort(dim=-1, descending=True, stable=True)  # (B, I, V)
         vocab, centre = slot.p.shape[-1], self.window // 2
-        rank_x = (order == slot.x[..., None]).max(-1, keepdim=True).indices  # (B, I, 1) x's place in the order
+        rank_x = (order == slot.x_column).max(-1, keepdim=True).indices  # (B, I, 1) x's place in the order
         at = rank_x + _window_offsets(self.window, slot.p.device)  # (B, I, W): x's rank at `centre`
         clipped = at.clamp(0, vocab - 1)
         inside = clipped == at
@@ -206,8 +219,8 @@ class GSDRule:
 
     def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         mass, proposal = self._cluster_mass(state, slot)
-        a0 = mass.clamp_max(1.0) if proposal is None else (mass / proposal.clamp_min(1e-30)).clamp_max(1.0)
-        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
+        a0 = mass if proposal is None else mass / proposal.clamp_min(1e-30)  # `verify` clamps it to 1
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return self._cluster_mass(state, slot)[0]
@@ -307,7 +320,7 @@ class CascadeDevRule:
         # with S > 0, q(x) - S < q(x) and the second test accepts at least as often as the plain one (both are
         # monotone in floating point too): the larger of the two is the second
         a0 = torch.where(gate & (total > 0), second, plain)
-        return SlotTest(a0, None, exact_residual(slot.p, slot.x, slot.q_draw))
+        return SlotTest(a0, None, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
         return slot.p_x

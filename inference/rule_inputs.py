@@ -8,6 +8,7 @@ rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,15 @@ class SlotInputs:
     slot: int
     p: Tensor  # (B, I, V) current residual target at every parent node (normalised)
     x: Tensor  # (B, I) token of each node's c-th child (any value where the slot is empty)
-    p_x: Tensor  # (B, I) p(x)
+    x_column: Tensor  # (B, I, 1) the same tokens, as a gather/scatter index over V
     q_x: Tensor  # (B, I) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
     # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
     q_draw: Tensor | None  # (B, I, V) normalised distribution x was drawn from (sampled trees), else None
+
+    @functools.cached_property
+    def p_x(self) -> Tensor:
+        """(B, I) p(x); gathered only for a rule that reads it (LANTERN reads it with x's neighbours)."""
+        return self.p.gather(2, self.x_column)[..., 0]
 
 
 @dataclass
@@ -89,7 +95,7 @@ class RemovalSlots:
 class SlotTest:
     """A rule's answer for the c-th child of every parent node."""
 
-    a0: Tensor  # (B, I) acceptance probability of x
+    a0: Tensor  # (B, I) acceptance probability of x; a value above 1 means 1 (`verify` clamps all slots at once)
     want: Tensor | None  # (B, I) extra acceptance a budgeted rule asks for on top of a0; None for the others
     residual: Tensor  # (B, I, V) the target after x is rejected, unnormalised
 
@@ -99,10 +105,11 @@ def exact_acceptance(inputs: SlotInputs) -> Tensor:
     return (inputs.p_x / inputs.q_x).clamp_max(1.0)
 
 
-def exact_residual(p: Tensor, x: Tensor, q_draw: Tensor | None) -> Tensor:
-    """relu(p - q_draw) (recursive rejection sampling); deterministic drafts (q one-hot at x): p with x removed."""
+def exact_residual(p: Tensor, x_column: Tensor, q_draw: Tensor | None) -> Tensor:
+    """relu(p - q_draw) (recursive rejection sampling); deterministic drafts (q one-hot at x, given (B, I, 1)): p with
+    x removed."""
     if q_draw is None:
-        return p.scatter(-1, x[..., None], 0.0)
+        return p.scatter(-1, x_column, 0.0)
     return torch.relu(p - q_draw)
 
 

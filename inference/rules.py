@@ -74,7 +74,8 @@ class ExactRule:
         return None
 
     def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
-        return SlotTest(exact_acceptance(slot), None, exact_residual(slot.p, slot.x, slot.q_draw))
+        # p(x) / q(x): `verify` clamps it to 1
+        return SlotTest(slot.p_x / slot.q_x, None, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return slot.p_x
@@ -185,7 +186,7 @@ class CascadeRule:
 
     def test_slot(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> SlotTest:
         a0, want = self._relaxed(state, slot)
-        return SlotTest(a0, want, exact_residual(slot.p, slot.x, slot.q_draw))
+        return SlotTest(a0, want, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def _relaxed(self, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor]:
         """a0 and the charge wanted on top, (B, I) each."""

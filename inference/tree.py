@@ -94,6 +94,8 @@ class Tree:
     sampled: bool  # True: drafts were sampled without replacement (static tree, sampling mode)
     max_depth: int  # deepest level any row may have
     max_children: int  # widest fan-out
+    distinct_siblings: bool = False  # True: no two children of one node share a token (the drafters take a
+    # node's children from one top-k or one draw without replacement), so verification skips the duplicate test
     inner_nodes: Tensor | None = None  # (I,) int64 nodes with children, ascending, the same in every row
     # (static trees); None = unknown, every node may have children
     inner_row: Tensor | None = None  # (N + 1,) int64 each node's position in inner_nodes, -1 for a leaf;

@@ -104,6 +104,7 @@ def draft_static_tree(
         sampled=not greedy,
         max_depth=spec.max_depth,
         max_children=spec.max_children,
+        distinct_siblings=True,  # top-k or Gumbel-top-k of one q per parent
     ).with_structure(structure, spec.walk_memo(device, batch))
 
 
@@ -213,6 +214,7 @@ def draft_dynamic_tree(
         sampled=False,
         max_depth=depth,
         max_children=k,
+        distinct_siblings=True,  # one top-k (or draw without replacement) per parent
     )
 
 
@@ -303,6 +305,7 @@ def draft_sampled_dynamic_tree(
         sampled=not greedy,
         max_depth=depth,
         max_children=k,
+        distinct_siblings=True,  # one top-k (or draw without replacement) per parent
     )
 
 

@@ -157,10 +157,12 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     if tree.sampled:  # drawn without replacement: no duplicates; a draw with q = 0 is padding, not a draft
         kid_q = at_kids(tree.q_cond)
         usable = valid & (kid_q > 0)
-    else:  # deterministic drafts: a repeated sibling token is tested once (§8)
+    elif not tree.distinct_siblings:  # deterministic drafts: a repeated sibling token is tested once (§8)
         earlier = strictly_lower(children.shape[-1], children.device)  # (K, K) [c, c']: c' < c
         same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & valid[..., None, :] & earlier
         usable = valid & ~same.any(-1)
+    else:  # the drafter took them from one top-k: no repeats to look for
+        usable = valid
     probs = view.probs.float()
     return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
 
@@ -192,7 +194,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     for c in range(width):
         x = kid_tokens[c]  # (B, I, 1)
         q_draw = None if q_left is None else normalise_or_uniform(q_left)
-        slot = SlotInputs(c, p, kid_x[c], p.gather(2, x)[..., 0], q_kids[c], q_draw)
+        slot = SlotInputs(c, p, kid_x[c], x, q_kids[c], q_draw)
         test = rule.test_slot(inputs, state, slot)
         a0s.append(test.a0)
         if test.want is not None:  # budgeted rules only
@@ -202,8 +204,8 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
             # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
             q_left = q_left.scatter(2, x, 0.0)
-    # untested slots are never accepted nor charged
-    return torch.stack(a0s, -1) * usable, torch.stack(wants, -1) * usable if wants else None, p
+    # rules leave a0 above 1 where it means 1: one clamp for every slot; untested slots are never accepted nor charged
+    return torch.stack(a0s, -1).clamp_max(1.0) * usable, torch.stack(wants, -1) * usable if wants else None, p
 
 
 def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
@@ -325,7 +327,7 @@ def _greedy_tests(rule: Rule, inputs: TreeInputs, greedy_tokens: Tensor) -> Tens
     passes = []
     for c in range(inputs.children.shape[-1]):
         x = inputs.kid_tokens[..., c]
-        slot = SlotInputs(c, p, x, p.gather(2, x[..., None])[..., 0], torch.ones_like(x, dtype=p.dtype), None)
+        slot = SlotInputs(c, p, x, x[..., None], torch.ones_like(x, dtype=p.dtype), None)
         mass = rule.greedy_mass(inputs, state, slot)
         others = p.scatter(2, x[..., None], 0.0).amax(-1)
         passes.append(mass > others)

@@ -261,6 +261,42 @@ def test_every_rule_decodes_every_tree_kind(tiny_target):
             assert result.tau >= 1.0 and result.tv_charged <= 0.3 + 1e-6
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_every_drafted_tree_that_claims_distinct_siblings_has_them(tiny_target, temperature):
+    """Verification skips the duplicate-sibling test for a tree flagged `distinct_siblings`: every drafter sets
+    the flag, so every tree it drafts, greedy or sampled, must have no two children of one node with one token."""
+
+    class Record(DecodeHooks):
+        def __init__(self) -> None:
+            self.trees: list[Tree] = []
+
+        def on_verify(self, tree, view, verdict) -> None:
+            self.trees.append(tree)
+
+    # a flat drafter: many near-equal candidates, where a careless top-k would repeat a token
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    configs = (
+        DYNAMIC,
+        DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13),
+        DecoderConfig(tree="static", static_tree="mc_sim_7b_63"),
+    )
+    settings = dataclasses.replace(tiny_target.sampling, temperature=temperature)
+    for config in configs:
+        record = Record()
+        generate_speculative(
+            tiny_target, drafter, PROMPTS, ExactRule(), config, settings=settings,
+            generator=torch.Generator().manual_seed(0), hooks=record,
+        )  # fmt: skip
+        assert record.trees
+        for tree in record.trees:
+            assert tree.distinct_siblings
+            children = tree.children  # (B, N, K), -1 padded
+            kid_tokens = tree.tokens.gather(1, children.clamp_min(0).flatten(1)).view_as(children)
+            same = (kid_tokens[..., :, None] == kid_tokens[..., None, :]) & (children[..., :, None] >= 0)
+            same &= children[..., None, :] >= 0
+            assert torch.equal(same.sum((-1, -2)), (children >= 0).sum(-1)), config.tree  # only each child itself
+
+
 def test_decoding_after_a_kv_commit_equals_a_fresh_forward(tiny_target):
     """Commit different-length paths per row (padding marked invalid), then compact: logits match a fresh cache."""
     target, spec = tiny_target, StaticTreeSpec(MC_SIM_7B_63)
