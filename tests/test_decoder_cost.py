@@ -79,28 +79,37 @@ def test_the_counter_tells_views_from_computing_ops():
 # Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets), after the
 # one uncounted decode per tree that `count_decode_ops` makes (a static tree's tables and the drafter's fused
 # weights are built once, not every step): drafting [static 412, static-chain 487, dynamic 377, dynamic-sampled
-# 450], verification by exact [154, 98, 129, 177] and by the other rules [214-272, 128-191, 198-251, 236-327],
-# view [9-11], commit [64]. The target's own forward [391-392, 430] is the model's code, not the decoder's.
+# 450], verification by exact [148, 96, 120, 171], by LANTERN, LANTERN++ and GSD-blocks [196-217, 120-130, 177-178,
+# 218-239] and by the other rules [257-270, 150-191, 189-242, 279-325], view [9-11], commit [64]. The target's own
+# forward [391-392, 430] is the model's code, not the decoder's.
 # Static-tree verification costs about 25 ops more since the target view covers only the nodes with children
 # (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a walk that ends
 # at a leaf needs the head and logits chain at that one node (`at_leaf`), the price of running them, and every
 # V-wide verification table, on 11 rows instead of 26. The chain (`toy_demo_fit_8`) makes seven drafter calls
 # a step where `mc_sim_7b_63` makes five. The dynamic tree's deterministic drafts are verified by exact and
 # cascade (and the CASCADE dev rule and GSD) without a loop over child slots (`removal_slots`), and its paths are
-# read off the ancestor mask.
+# read off the ancestor mask; LANTERN, LANTERN++ and GSD-blocks loop over the slots, and their ceiling is their own.
 # A static tree's verification index tables are built once per shape (`WalkTables`, CASCADE's included), its drafter
 # mask, rotary tables and race draws once per tree; a dynamic tree's level masks grow by one index and one
-# concatenation a level (`FrontierMasks`). On CPU the drafter's norms take three ops each (`_unit_rms`).
+# concatenation a level (`FrontierMasks`). On CPU the drafter's norms take three ops each (`_unit_rms`). Drafted
+# trees have distinct siblings, so verification skips the duplicate test.
 DRAFT_CEILING = {"static": 455, "static-chain": 535, "dynamic": 415, "dynamic-sampled": 495}
-EXACT_VERIFY_CEILING = {"static": 170, "static-chain": 108, "dynamic": 142, "dynamic-sampled": 195}
-VERIFY_CEILING = {"static": 300, "static-chain": 210, "dynamic": 276, "dynamic-sampled": 360}
+EXACT_VERIFY_CEILING = {"static": 163, "static-chain": 106, "dynamic": 132, "dynamic-sampled": 188}
+SLOT_LOOP_RULES = ("lantern", "lantern++", "gsd-blocks")
+SLOT_LOOP_VERIFY_CEILING = {"static": 240, "static-chain": 143, "dynamic": 196, "dynamic-sampled": 263}
+VERIFY_CEILING = {"static": 297, "static-chain": 210, "dynamic": 266, "dynamic-sampled": 358}
 
 
 def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
     for row in op_rows:
         tree, ops = row["tree"], row["ops"]
         assert ops["draft"] <= DRAFT_CEILING[tree], row
-        ceiling = EXACT_VERIFY_CEILING[tree] if row["rule"] == "exact" else VERIFY_CEILING[tree]
+        if row["rule"] == "exact":
+            ceiling = EXACT_VERIFY_CEILING[tree]
+        elif row["rule"] in SLOT_LOOP_RULES:
+            ceiling = SLOT_LOOP_VERIFY_CEILING[tree]
+        else:
+            ceiling = VERIFY_CEILING[tree]
         assert ops["verify"] <= ceiling, row
         assert ops["view"] <= 16 and ops["commit"] <= 70, row
 
