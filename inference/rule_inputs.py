@@ -54,6 +54,8 @@ class TreeInputs:
     nodes: Tensor | None = None  # (I,) the parent nodes; None = every node (I = N)
     kid_q: Tensor | None = None  # (B, I, K) each child's conditional draw probability (sampled trees)
     node_row: Tensor | None = None  # (N + 1,) int64 each node's row when `nodes` is set (-1: none, and at index N)
+    q_parent: Tensor | None = None  # (B, I, V) fp32 the drafter's q at the parent nodes (sampled trees)
+    q_mass_left: Tensor | None = None  # (B, I, K) q's mass outside the earlier children's tokens (sampled trees)
 
     @property
     def tables(self) -> WalkTables:

@@ -89,9 +89,9 @@ class Tree:
     tokens: Tensor  # (B, N) int64; tokens[:, 0] is the root (the last sampled token)
     parents: Tensor  # (B, N) int64; parents[:, 0] = -1; parents[b, n] < n
     depths: Tensor  # (B, N) int64; 0 for the root
-    q_cond: Tensor  # (B, N) float: conditional draw probability of each node (static, sampled); 1 otherwise
     q_full: Tensor  # (B, N, V) float: drafter distribution at each node over its children (0 where not drafted)
-    sampled: bool  # True: drafts were sampled without replacement (static tree, sampling mode)
+    sampled: bool  # True: each node's children were drawn from q_full there without replacement, in child
+    # order (verification derives each draw's probability from them); False: deterministic drafts
     max_depth: int  # deepest level any row may have
     max_children: int  # widest fan-out
     distinct_siblings: bool = False  # True: no two children of one node share a token (the drafters take a

@@ -41,9 +41,9 @@ def draft_static_tree(
     """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
 
     Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
-    rank order (deterministic drafts, q_cond = 1). One drafter call per level with children; each
-    level's nodes are contiguous, so its tokens and draw probabilities are gathered once and
-    concatenated at the end, and q over the vocabulary is written once for every inner node.
+    rank order (deterministic drafts). One drafter call per level with children; each level's nodes are
+    contiguous, so its tokens are gathered once and concatenated at the end, and q over the vocabulary is
+    written once for every inner node.
 
     Args:
         root_token: (B,); root_q: (B, V) processed drafter distribution at the root (`Proposal`);
@@ -54,7 +54,6 @@ def draft_static_tree(
     if spec.max_children > vocab:
         raise ValueError(f"the static tree draws {spec.max_children} children per node from {vocab} tokens")
     token_levels = [root_token[:, None]]  # per level (B, L)
-    q_levels = [torch.ones(batch, 1, device=device)]  # per level (B, L): conditional draw probabilities
     inner_q = [root_q[:, None]]  # q of every node the drafter ran on, in node order: (B, W, k) per level
     level_q, level_hidden = root_q[:, None], root_hidden[:, None]  # level d-1 state
     tree_start = ctx.cache.length
@@ -74,10 +73,9 @@ def draft_static_tree(
     race_rows = slice(0, 1)
     for depth, level in enumerate(spec.plan(device), start=1):
         if greedy:
-            draws = level_q.ranked(level.width)  # (B, W_prev, width), q_cond stays 1
+            draws = level_q.ranked(level.width)  # (B, W_prev, width)
         else:  # (B, W_prev, width)
-            draws, probs = gumbel_topk(level_q, level.width, generator, None if race is None else race[:, race_rows])
-            q_levels.append(select(probs.flatten(1), level.draw))
+            draws = gumbel_topk(level_q, level.width, generator, None if race is None else race[:, race_rows])
         level_tokens = select(draws.flatten(1), level.draw)  # (B, L)
         token_levels.append(level_tokens)
         if depth == spec.max_depth:
@@ -94,12 +92,10 @@ def draft_static_tree(
         inner_q.append(level_q)
         race_rows = slice(1 + level.run_rows.start, 1 + level.run_rows.stop)
     structure = spec.structure(device)
-    q_cond = torch.ones(batch, spec.num_nodes, device=device) if greedy else torch.cat(q_levels, dim=1)
     return Tree(
         torch.cat(token_levels, dim=1),
         structure.parents.expand(batch, -1),
         structure.depths.expand(batch, -1),
-        q_cond,
         q_over_nodes(inner_q, structure.inner_nodes, spec.num_nodes, vocab),
         sampled=not greedy,
         max_depth=spec.max_depth,
@@ -209,7 +205,6 @@ def draft_dynamic_tree(
         tokens,
         parents,
         depths,
-        torch.ones(tokens.shape, device=device),
         q_full,
         sampled=False,
         max_depth=depth,
@@ -247,38 +242,42 @@ def draft_sampled_dynamic_tree(
         root_token: (B,); root: (B, V) processed drafter distribution at the root (`Proposal`);
         root_hidden: (R, D) the drafter's hidden at the root.
     """
-    root_q = root.dense()  # (B, V)
-    batch, vocab = root_q.shape
-    device = root_q.device
+    batch, vocab, device = root.probs.shape[0], root.size, root.probs.device
     k = top_k
     if k > vocab:
         raise ValueError(f"top_k={k} exceeds the vocabulary of {vocab} tokens; lower DecoderConfig.top_k")
     width = (total_tokens - 1) // depth
     if width < 1:
         raise ValueError(f"total_tokens={total_tokens} gives no node per level for depth {depth}")
-    tokens, parents, q_conds, q_levels = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)], [], []
-    q_cond_root = torch.ones(batch, 1, device=device)
+    tokens, parents = [root_token[:, None]], [torch.full_like(root_token[:, None], -1)]
     level_proposal, level_hidden = root[:, None], root_hidden[:, None]  # (B, M, .) q, (R, M, D) of this level
-    level_q = root_q[:, None]  # (B, M, V)
+    inner_q = [level_proposal]  # q of every node the drafter ran on, in node order: (B, M, S) per level
     level_scores = torch.zeros(batch, 1, device=device)  # (B, M) cumulative log q
     masks = FrontierMasks.at_root(ctx)
+    # the levels' widths are known without a sync: level 1 at most k, each level at most its parents' k draws
+    widths = [min(width, k)]
+    for _ in range(depth - 1):
+        widths.append(min(width, widths[-1] * k))
+    rows_drawn_from = [1, *widths[:-1]]  # M: the nodes each level draws its children from
+    race = None
+    if not greedy and level_proposal.probs.shape[-1] >= k:  # every level's race at once, as the static tree does
+        race = exponential_race((batch, sum(rows_drawn_from), level_proposal.probs.shape[-1]), device, generator)
     offset = 0
-    for level in range(1, depth + 1):
-        sorted_q, ranked = level_q.topk(k, dim=-1)  # (B, M, K)
-        level_width = min(width if level > 1 else min(width, k), sorted_q.shape[1] * k)  # known without a sync
+    for level, (level_width, drawn_from) in enumerate(zip(widths, rows_drawn_from, strict=True), start=1):
+        sorted_q, ranked = level_proposal.top(k)  # (B, M, K) q's k largest, likeliest first, and their tokens
         picked = select_sampled_slots(level_scores, sorted_q, level_width)  # (B, W) slots n * K + c, a prefix per node
         if greedy:
-            draws, cond = ranked, torch.ones_like(sorted_q)
-        else:
-            draws, cond = gumbel_topk(level_proposal, k, generator)  # (B, M, K) in draw order
+            draws, drawn_q = ranked, sorted_q
+        else:  # (B, M, K) in draw order, and q of each
+            level_race = None if race is None else race[:, offset : offset + drawn_from]
+            draws, drawn_q = gumbel_topk_with_q(level_proposal, k, generator, level_race)
         parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
         new_tokens = draws.flatten(1).gather(1, picked)
         tokens.append(new_tokens)
         parents.append(offset + parent_slot)
-        q_conds.append(cond.flatten(1).gather(1, picked).float())
-        child_q = level_q.gather(2, draws).flatten(1).gather(1, picked)  # q(x) under the parent
-        level_scores = level_scores.gather(1, parent_slot) + child_q.clamp_min(1e-30).log()
-        offset += level_q.shape[1]
+        child_q = drawn_q.flatten(1).gather(1, picked)  # (B, W) q(x) under the parent
+        level_scores = level_scores.gather(1, parent_slot) + child_q.log()  # log 0 = -inf: a q = 0 draw sorts last
+        offset += drawn_from
         if level == depth:
             break
         parent_rows = to_rows(parent_slot, ctx.cfg)  # (R, W)
@@ -286,21 +285,16 @@ def draft_sampled_dynamic_tree(
         level_proposal, level_hidden = ctx.run_level(
             level_hidden[masks.row_index, parent_rows], new_tokens, level, masks.tree_start, masks.tree_mask, masks.bias
         )
-        level_q = level_proposal.dense()  # (B, W, V)
-        q_levels.append(level_q)
+        inner_q.append(level_proposal)
     all_tokens = torch.cat(tokens, 1)
     num_nodes = all_tokens.shape[1]
-    q_full = torch.zeros(batch, num_nodes, vocab, device=device)
-    q_full[:, 0] = root_q
-    if q_levels:
-        inner = torch.cat(q_levels, 1)  # (B, nodes of levels 1..depth-1, V)
-        q_full[:, 1 : 1 + inner.shape[1]] = inner
+    # the drafter ran on every node but the last level's: nodes 0 .. offset - 1, in node order
+    q_full = q_over_nodes(inner_q, _node_range(offset, device), num_nodes, vocab)
     depths = torch.cat([torch.full_like(t, d) for d, t in enumerate(tokens)], 1)
     return Tree(
         all_tokens,
         torch.cat(parents, 1),
         depths,
-        torch.cat([q_cond_root, *q_conds], 1),
         q_full,
         sampled=not greedy,
         max_depth=depth,
@@ -351,6 +345,12 @@ def _identity_bias(size: int, dtype: torch.dtype, device: torch.device) -> Tenso
 
 
 @functools.lru_cache(maxsize=16)
+def _node_range(count: int, device: torch.device) -> Tensor:
+    """(count,) arange; a shared constant, never written to."""
+    return torch.arange(count, device=device)
+
+
+@functools.lru_cache(maxsize=16)
 def _row_index(rows: int, device: torch.device) -> Tensor:
     """(rows, 1) arange; a shared constant, never written to."""
     return torch.arange(rows, device=device)[:, None]
@@ -363,10 +363,12 @@ def exponential_race(shape: tuple[int, ...], device: torch.device, generator: to
     return race.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def gumbel_topk(
-    q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None) -> Tensor:
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
+
+    Child c is drawn with probability q(x_c) / (1 - sum_{c' < c} q(x_c')) (cascade.md §2.3); verification
+    reads that off q at the parent and the earlier siblings (`inference.verify.draw_probabilities`), so the
+    drafter does not compute it.
 
     Args:
         q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
@@ -374,10 +376,21 @@ def gumbel_topk(
         race: `exponential_race` draws of q's shape, drawn before (a static tree draws every level's at
             once); None = draw them here.
     Returns:
-        tokens (..., k) int64 and their conditional draw probabilities
-        q(x_c) / (1 - sum_{c' < c} q(x_c')) (..., k), clamped to [0, 1] (cascade.md §2.3).
-        Tokens with q = 0 come last and get probability 0.
+        tokens (..., k) int64; tokens with q = 0 come last.
     """
+    return _race(q, k, generator, race)[0]
+
+
+def gumbel_topk_with_q(
+    q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`gumbel_topk`'s tokens (..., k) and q of each (..., k), unconditional (the sampled dynamic tree scores them)."""
+    tokens, ranked, weights = _race(q, k, generator, race)
+    return tokens, weights.gather(-1, ranked)
+
+
+def _race(q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The race's winners: tokens (..., k), their positions in the raced weights (..., k), the weights (..., S or V)."""
     weights, support = q.probs, q.support  # (..., S) or (..., V)
     if support is not None and support.shape[-1] < k:
         weights, support = q.dense(), None  # fewer candidates than draws: race over the whole vocabulary
@@ -388,16 +401,7 @@ def gumbel_topk(
     elif race.shape != weights.shape:
         raise ValueError(f"race draws of shape {tuple(race.shape)} for probabilities of shape {tuple(weights.shape)}")
     ranked = (weights / race).topk(k, dim=-1).indices  # (..., k)
-    tokens = ranked if support is None else support.gather(-1, ranked)
-    picked = weights.gather(-1, ranked)  # (..., k) q of the drawn tokens, in draw order
-    # one draw: nothing drawn before it, so its conditional probability is q itself (no arithmetic to pay for)
-    return tokens, picked if k == 1 else conditional_draw_probs(picked)
-
-
-def conditional_draw_probs(picked: Tensor) -> Tensor:
-    """q(x_c) / (1 - sum_{c'<c} q(x_c')) for draws in order, from picked = q(x_c) (..., k) fp32 -> (..., k)."""
-    before = picked.cumsum(-1) - picked
-    return (picked / (1 - before).clamp_min(1e-12)).clamp(0, 1)
+    return (ranked if support is None else support.gather(-1, ranked)), ranked, weights
 
 
 def select_dynamic_tree(
@@ -454,7 +458,6 @@ def select_sampled_slots(parent_scores: Tensor, sorted_q: Tensor, width: int) ->
         first and each node's kept slots are a prefix of its draw order (c = 0, 1, ...). Slots past a
         node's support (q = 0) sort last; if taken they are drawn with probability 0 and never tested.
     """
-    scores = parent_scores[..., None] + sorted_q.clamp_min(1e-30).log()  # (B, M, K)
-    scores = scores.masked_fill(sorted_q <= 0, float("-inf")).flatten(1)
+    scores = (parent_scores[..., None] + sorted_q.log()).flatten(1)  # (B, M K); log 0 = -inf: past q's support
     best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]  # (B, width) best first
     return best.sort(dim=-1).values

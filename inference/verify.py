@@ -22,9 +22,11 @@ through `TargetView.at_leaf`.
 - Sampled drafts (static or dynamic sampled trees): recursive rejection sampling without
   replacement. Child c was drawn from q_c = q(u) with the earlier children removed, renormalised; it
   is accepted w.p. min(1, p_c(x)/q_c(x)) and a rejection sets p_{c+1} = norm(relu(p_c - q_c)), for
-  every drawn child (EAGLE-1, SpecTr).
+  every drawn child (EAGLE-1, SpecTr). q_c(x) and q_c's normaliser are read off q(u) and the children
+  once per step (`draw_probabilities`), not carried by the tree.
 - Deterministic drafts (dynamic EAGLE-2 trees, greedy static trees): q_c is one-hot at x, so the test
-  is p_c(x) and a rejection removes x. Duplicate sibling tokens are tested once.
+  is p_c(x) and a rejection removes x. Duplicate sibling tokens are tested once (a drafted tree has
+  none: `Tree.distinct_siblings`).
 - Budgeted rules (CASCADE) add a charge on top of the exact acceptance probability while the TV
   budget delta of the step lasts; the charges are granted in test order along the walk: the c-th
   test gets min(want, delta - what earlier tests on the walk took).
@@ -57,7 +59,7 @@ from inference.rules import (
     needs_every_node,
 )
 from inference.similarity import centred_cosine, kl_divergence
-from inference.tree import Tree, strictly_lower
+from inference.tree import Tree, select, strictly_lower
 
 __all__ = [
     "RULES",
@@ -72,6 +74,7 @@ __all__ = [
     "Verdict",
     "build_latent_neighbours",
     "centred_cosine",
+    "draw_probabilities",
     "kl_divergence",
     "normalise_or_uniform",
     "sample_inverse_cdf",
@@ -153,9 +156,10 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     valid = tables.has_child
     if max_accept is not None:  # image end: drafts past it are never tested (not in place: `valid` is shared)
         valid = valid & (at_kids(tree.depths) <= max_accept[:, None, None])
-    kid_tokens, kid_q = at_kids(tree.tokens), None
+    kid_tokens, kid_q, q_parent, q_mass_left = at_kids(tree.tokens), None, None, None
     if tree.sampled:  # drawn without replacement: no duplicates; a draw with q = 0 is padding, not a draft
-        kid_q = at_kids(tree.q_cond)
+        q_parent = select(tree.q_full, view.nodes).float()  # (B, I, V)
+        kid_q, q_mass_left = draw_probabilities(q_parent, kid_tokens, tables.has_child)
         usable = valid & (kid_q > 0)
     elif not tree.distinct_siblings:  # deterministic drafts: a repeated sibling token is tested once (§8)
         earlier = strictly_lower(children.shape[-1], children.device)  # (K, K) [c, c']: c' < c
@@ -164,7 +168,30 @@ def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> Tre
     else:  # the drafter took them from one top-k: no repeats to look for
         usable = valid
     probs = view.probs.float()
-    return TreeInputs(tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row)
+    return TreeInputs(
+        tree, probs, view.features, children, kid_tokens, usable, view.nodes, kid_q, view.node_row,
+        q_parent=q_parent, q_mass_left=q_mass_left,
+    )  # fmt: skip
+
+
+def draw_probabilities(q: Tensor, tokens: Tensor, drawn: Tensor) -> tuple[Tensor, Tensor]:
+    """Sampled drafts: the probability each child was drawn with, and q's mass left before it.
+
+    Child c of a node was drawn from q there with the earlier children's tokens removed: with probability
+    q(x_c) / mass_left[c], mass_left[c] = q's mass outside x_0 .. x_{c-1}. That mass is summed as the mass no
+    child took plus the children's from c on, so no subtraction loses it when little is left. A draw with
+    q = 0 (padding) gets 0.
+
+    Args:
+        q: (B, I, V) the drafter's q at the parent nodes; tokens: (B, I, K) their children's tokens in draw order;
+        drawn: (B, I, K) bool, the slot holds a child.
+    Returns:
+        (B, I, K) each child's draw probability, and (B, I, K) mass_left, at least 1e-30 (a divisor).
+    """
+    kid_q = q.gather(2, tokens) * drawn  # (B, I, K) q(x_c), 0 on empty slots
+    never_drawn = q.scatter_add(2, tokens, -kid_q).sum(-1, keepdim=True)  # drawn tokens at exactly 0
+    mass_left = (never_drawn + kid_q.flip(-1).cumsum(-1).flip(-1)).clamp_min(1e-30)
+    return kid_q / mass_left, mass_left
 
 
 def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -181,9 +208,11 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         slots, residual = removal_slots(inputs)
         a0, want = at_once(inputs, state, slots)
         return a0 * usable, (None if want is None else want * usable), residual
-    q_left = inputs.at_parents(tree.q_full).float() if tree.sampled else None  # (B, I, V) proposal mass not drawn yet
-    if inputs.kid_q is not None:  # sampled: (B, I, K) each child's draw probability; 1 where untested, so
-        q_kids = inputs.kid_q.masked_fill(~usable, 1.0).unbind(-1)  # rules divide unguarded
+    q_left = inputs.q_parent  # (B, I, V) proposal mass not drawn yet (sampled trees)
+    q_mass_left: tuple[Tensor, ...] | None = None
+    if inputs.kid_q is not None and inputs.q_mass_left is not None:  # sampled: (B, I, K) each child's draw
+        q_kids = inputs.kid_q.masked_fill(~usable, 1.0).unbind(-1)  # probability; 1 where untested, so rules
+        q_mass_left = inputs.q_mass_left[..., None].unbind(-2)  # divide unguarded; K x (B, I, 1) q_left's mass
     else:
         q_kids = (torch.ones_like(p[..., 0]),) * children.shape[-1]  # (B, I) one-hot proposals
     width = children.shape[-1]
@@ -193,7 +222,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     a0s, wants = [], []
     for c in range(width):
         x = kid_tokens[c]  # (B, I, 1)
-        q_draw = None if q_left is None else normalise_or_uniform(q_left)
+        q_draw = None if q_left is None or q_mass_left is None else q_left / q_mass_left[c]  # 0 if all was drawn
         slot = SlotInputs(c, p, kid_x[c], x, q_kids[c], q_draw)
         test = rule.test_slot(inputs, state, slot)
         a0s.append(test.a0)

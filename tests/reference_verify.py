@@ -22,7 +22,6 @@ class RowTree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
-    q_cond: list[float]
     q_full: list[list[float]]  # drafter distribution at each node (over its children)
     probs: list[list[float]]  # target distribution at each node
     features: list[list[float]] | None
@@ -35,7 +34,6 @@ class RowTree:
             tree.tokens[b].tolist(),
             tree.parents[b].tolist(),
             tree.depths[b].tolist(),
-            tree.q_cond[b].double().tolist(),
             tree.q_full[b].double().tolist(),
             view.probs[b].double().tolist(),
             feats,
@@ -175,9 +173,9 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
         p = list(row.probs[u])
         q_left = list(row.q_full[u])
 
-        def usable(m: int, kids: list[int] = kids) -> bool:
-            if row.sampled:
-                return row.q_cond[m] > 0
+        def usable(m: int, kids: list[int] = kids, u: int = u) -> bool:
+            if row.sampled:  # a draw with q = 0 is padding
+                return row.q_full[u][row.tokens[m]] > 0
             return row.tokens[m] not in [row.tokens[k] for k in kids[: kids.index(m)]]
 
         accepted = None
@@ -186,8 +184,8 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
                 continue
             x = row.tokens[n]
             if row.sampled:
-                q_draw = _normalise(q_left)
-                q_x = row.q_cond[n]
+                q_draw = _normalise(q_left)  # x was drawn from q without the earlier children
+                q_x = q_draw[x]
             else:
                 q_draw = [1.0 if y == x else 0.0 for y in range(len(p))]
                 q_x = 1.0

@@ -191,7 +191,7 @@ def test_the_inner_view_is_chosen_only_where_leaves_are_at_least_half_the_nodes(
         structure = spec.structure(torch.device("cpu"))
         n = spec.num_nodes
         tree = Tree(tokens=torch.zeros(1, n, dtype=torch.long), parents=structure.parents, depths=structure.depths,
-                    q_cond=torch.ones(1, n), q_full=torch.zeros(1, n, 4), sampled=True, max_depth=spec.max_depth,
+                    q_full=torch.zeros(1, n, 4), sampled=True, max_depth=spec.max_depth,
                     max_children=spec.max_children)  # fmt: skip
         return tree.with_structure(structure)
 
@@ -513,9 +513,7 @@ def test_a_static_shapes_walk_tables_are_built_at_the_first_step_and_stay_what_a
     shared, batch, structure = memo[False], len(PROMPTS), spec.structure(torch.device("cpu"))
     parents, depths = structure.parents.expand(batch, -1), structure.depths.expand(batch, -1)
     tokens, q_full = torch.zeros(batch, spec.num_nodes, dtype=torch.long), torch.zeros(batch, spec.num_nodes, 2)
-    fresh_tree = Tree(
-        tokens, parents, depths, torch.ones(tokens.shape), q_full, True, spec.max_depth, spec.max_children
-    )
+    fresh_tree = Tree(tokens, parents, depths, q_full, True, spec.max_depth, spec.max_children)
     fresh = original(fresh_tree, structure.inner_nodes)  # from parents, not from the shape's tables
     for field in dataclasses.fields(WalkTables):
         assert torch.equal(getattr(shared, field.name), getattr(fresh, field.name)), field.name

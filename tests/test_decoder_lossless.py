@@ -84,7 +84,8 @@ def draws_without_replacement(q: torch.Tensor, count: int):
 
 
 def static_trees(world: World):
-    """(tokens, parents, q_cond, probability) of every draw of the static tree STATIC_SHAPE."""
+    """(tokens, parents, conditional draw probabilities, probability) of every draw of the static tree STATIC_SHAPE;
+    the trees carry q only: verification derives the draw probabilities (`inference.verify.draw_probabilities`)."""
     spec = StaticTreeSpec(STATIC_SHAPE)
     internal = [n for n in range(spec.num_nodes) if n in spec.parents[1:]]
 
@@ -186,7 +187,6 @@ def build_batch(world: World, trees: list, sampled: bool) -> tuple[Tree, TargetV
         tokens,
         parents,
         depth_t,
-        torch.tensor([r[2] for r in rows], dtype=torch.float32),
         torch.stack(q_full).float(),
         sampled,
         int(depth_t.max()),
@@ -207,7 +207,7 @@ def step_distribution(world: World, tree: Tree, view: TargetView, weights: torch
         return t.repeat_interleave(count, dim=0)
 
     big = Tree(
-        tile(tree.tokens), tile(tree.parents), tile(tree.depths), tile(tree.q_cond), tile(tree.q_full),
+        tile(tree.tokens), tile(tree.parents), tile(tree.depths), tile(tree.q_full),
         tree.sampled, depth, width,
     )  # fmt: skip
     big_view = TargetView(tile(view.probs), tile(view.greedy_tokens), tile(view.features))

@@ -19,7 +19,8 @@ from inference.tree import (
     select,
     selection,
 )
-from inference.tree_drafting import exponential_race, gumbel_topk, select_dynamic_tree
+from inference.tree_drafting import exponential_race, gumbel_topk, gumbel_topk_with_q, select_dynamic_tree
+from inference.verify import draw_probabilities
 
 
 def random_parents(batch: int, num_nodes: int, seed: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ def test_leaf_paths_are_eagles_retrieve_indices():
     spec = StaticTreeSpec(NAIVE_EXTEND_57)
     parents = torch.tensor(spec.parents)[None]
     depths = torch.tensor(spec.depths)[None]
-    tree = Tree(parents.clamp_min(0), parents, depths, torch.ones(1, 58), torch.zeros(1, 58, 2), False, 5, 5)
+    tree = Tree(parents.clamp_min(0), parents, depths, torch.zeros(1, 58, 2), False, 5, 5)
     paths, is_leaf = leaf_paths(tree)
     assert int(is_leaf.sum()) == 58 - len(set(spec.parents[1:]))
     assert (paths[is_leaf][:, 0] == 0).all()  # every root-to-leaf path starts at the root
@@ -116,20 +117,37 @@ def test_dynamic_selection_keeps_ancestors_and_orders_parents_first():
     assert torch.allclose(kept_scores, best)
 
 
-def test_gumbel_topk_draws_distinct_tokens_with_conditional_probabilities():
+def test_gumbel_topk_draws_distinct_tokens_whose_draw_probabilities_verification_derives():
     q = torch.tensor([0.5, 0.3, 0.2, 0.0]).expand(4000, -1)
-    tokens, probs = gumbel_topk(Proposal(q), 3, torch.Generator().manual_seed(0))  # 4000 independent draws of 3
+    tokens = gumbel_topk(Proposal(q), 3, torch.Generator().manual_seed(0))  # 4000 independent draws of 3
     assert (tokens[:, 0] != tokens[:, 1]).all() and (tokens[:, 1] != tokens[:, 2]).all()
     assert (tokens[:, 0] != tokens[:, 2]).all()
     assert torch.allclose(torch.bincount(tokens[:, 0], minlength=4) / 4000, q[0], atol=0.03)  # first draw ~ q
-    second = q.gather(1, tokens[:, 1:2])[:, 0] / (1 - q.gather(1, tokens[:, :1])[:, 0])
-    assert torch.allclose(probs[:, 1], second)
-    tokens, probs = gumbel_topk(Proposal(q[:1]), 4, None)
-    assert tokens[0, 3] == 3 and probs[0, 3] == 0  # zero-probability tokens come last, never accepted
-    tokens, probs = gumbel_topk(Proposal(q), 1, torch.Generator().manual_seed(1))  # one draw: its q, nothing before
-    assert torch.equal(probs, q.gather(1, tokens)) and torch.allclose(
+    # verification reads each draw's probability off q and the earlier draws: q(x_c) / (1 - sum of the earlier q)
+    drawn = torch.ones(tokens.shape, dtype=torch.bool)
+    probs, mass_left = draw_probabilities(q[:, None], tokens[:, None], drawn[:, None])  # (4000, 1, 3) each
+    first, second = q.gather(1, tokens[:, :1])[:, 0], q.gather(1, tokens[:, 1:2])[:, 0]
+    assert torch.allclose(probs[:, 0, 0], first) and torch.allclose(probs[:, 0, 1], second / (1 - first))
+    assert torch.allclose(mass_left[:, 0, 1], 1 - first) and torch.allclose(mass_left[:, 0, 0], torch.ones(4000))
+    # only the slots that hold a child count as drawn; the mass of an empty slot's token stays left
+    probs, mass_left = draw_probabilities(q[:1, None], tokens[:1, None], torch.tensor([[[True, True, False]]]))
+    assert torch.allclose(mass_left[0, 0, 2], 1 - first[0] - q[0, tokens[0, 1]]) and probs[0, 0, 2] == 0
+    tokens = gumbel_topk(Proposal(q[:1]), 4, None)
+    probs, _ = draw_probabilities(q[:1, None], tokens[:, None], torch.ones(1, 1, 4, dtype=torch.bool))
+    assert tokens[0, 3] == 3 and probs[0, 0, 3] == 0  # zero-probability tokens come last, never accepted
+    tokens, q_drawn = gumbel_topk_with_q(Proposal(q), 1, torch.Generator().manual_seed(1))  # one draw: its q
+    assert torch.equal(q_drawn, q.gather(1, tokens)) and torch.allclose(
         torch.bincount(tokens[:, 0], minlength=4) / 4000, q[0], atol=0.03
     )
+
+
+def test_draw_probabilities_keep_a_small_remainder_exact():
+    """The mass left is summed from what no child took and the later children, never as 1 minus the earlier:
+    after a draw that took 1 - 1e-6 of q, the next one's probability is q(x) / 1e-6, not noise over 1e-7."""
+    q = torch.tensor([1 - 1e-6, 6e-7, 4e-7] + [0.0] * 5)[None, None]  # (1, 1, 8)
+    probs, mass_left = draw_probabilities(q, torch.tensor([[[0, 1]]]), torch.ones(1, 1, 2, dtype=torch.bool))
+    torch.testing.assert_close(mass_left[0, 0], torch.tensor([1.0, 1e-6]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(probs[0, 0, 1], torch.tensor(0.6), rtol=1e-5, atol=0)
 
 
 def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_distribution():
@@ -138,7 +156,7 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     support = torch.tensor([6, 0, 3, 1, 4])
     draws = 40000
     on_support = Proposal(q[support].expand(draws, -1), support.expand(draws, -1), vocab_size=8)  # q on 5 tokens
-    tokens, probs = gumbel_topk(on_support, 2, torch.Generator().manual_seed(1))
+    tokens, q_drawn = gumbel_topk_with_q(on_support, 2, torch.Generator().manual_seed(1))
     assert set(tokens.flatten().tolist()) <= {1, 3, 4, 6}  # never a zero-mass token while mass is left
     # exact probability of drawing the ordered pair (a, b): q(a) q(b) / (1 - q(a))
     pairs = torch.zeros(8, 8)
@@ -146,11 +164,11 @@ def test_gumbel_topk_over_a_support_draws_ordered_pairs_with_the_full_races_dist
     exact = q[:, None] * q[None, :] / (1 - q[:, None])
     exact.fill_diagonal_(0.0)
     assert 0.5 * (pairs / draws - exact).abs().sum() < 0.015  # TV of the pair law; sampling noise ~0.005
-    assert torch.allclose(probs[:, 1], q[tokens[:, 1]] / (1 - q[tokens[:, 0]]))
+    assert torch.equal(q_drawn, q[tokens])  # q of each drawn token, from its position in the support
     # fewer candidates than draws: the race falls back to the whole vocabulary, zero-mass tokens last
-    tokens, probs = gumbel_topk(on_support[:1], 6, torch.Generator().manual_seed(2))
+    tokens, q_drawn = gumbel_topk_with_q(on_support[:1], 6, torch.Generator().manual_seed(2))
     assert tokens.shape == (1, 6) and set(tokens[0, :4].tolist()) == {1, 3, 4, 6} and len(set(tokens[0].tolist())) == 6
-    assert (probs[0, 4:] == 0).all()
+    assert (q_drawn[0, 4:] == 0).all()
 
 
 def test_a_race_drawn_beforehand_draws_what_the_race_drawn_inside_does_and_must_fit_q():
@@ -158,10 +176,10 @@ def test_a_race_drawn_beforehand_draws_what_the_race_drawn_inside_does_and_must_
     inside = gumbel_topk(Proposal(q), 3, torch.Generator().manual_seed(5))
     race = exponential_race(q.shape, q.device, torch.Generator().manual_seed(5))  # the same generator state
     beforehand = gumbel_topk(Proposal(q), 3, None, race)
-    assert torch.equal(inside[0], beforehand[0]) and torch.equal(inside[1], beforehand[1])
+    assert torch.equal(inside, beforehand)
     # a static tree slices each level's race from one block: a slice of it is as good as a fresh draw
     block = exponential_race((3, 9, 6), q.device, torch.Generator().manual_seed(6))
-    tokens, _ = gumbel_topk(Proposal(q), 2, None, block[:, 5:9])
+    tokens = gumbel_topk(Proposal(q), 2, None, block[:, 5:9])
     assert torch.equal(tokens, (q / block[:, 5:9]).topk(2, dim=-1).indices)
     with pytest.raises(ValueError, match=r"race draws of shape \(3, 4, 5\) for probabilities of shape \(3, 4, 6\)"):
         gumbel_topk(Proposal(q), 2, None, race[..., :5])

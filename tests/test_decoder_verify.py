@@ -41,15 +41,13 @@ def build_case(paths, batch: int, vocab: int, sampled: bool, seed: int, dim: int
     parents = torch.tensor(spec.parents).expand(batch, -1)
     q_full = (torch.randn(batch, n, vocab, generator=g) * 1.5).softmax(-1)
     tokens = torch.zeros(batch, n, dtype=torch.long)
-    q_cond = torch.ones(batch, n)
     tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
     for node in range(n):
         kids = [m for m in range(n) if spec.parents[m] == node]
         if not kids:
             continue
         if sampled:
-            draws, probs = gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
-            q_cond[:, kids] = probs
+            draws = gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
         else:  # distinct top-ranked tokens, with an occasional duplicate sibling to exercise dedupe
             draws = q_full[:, node].topk(len(kids), dim=-1).indices
             duplicate = torch.rand(batch, generator=g) < 0.2
@@ -61,7 +59,7 @@ def build_case(paths, batch: int, vocab: int, sampled: bool, seed: int, dim: int
     centres = torch.randn(3, dim, generator=g)
     features = centres[tokens % 3] + 0.4 * torch.randn(batch, n, dim, generator=g)
     tree = Tree(
-        tokens, parents, torch.tensor(spec.depths).expand(batch, -1), q_cond, q_full, sampled,
+        tokens, parents, torch.tensor(spec.depths).expand(batch, -1), q_full, sampled,
         spec.max_depth, spec.max_children,
     )  # fmt: skip
     return tree, TargetView(probs, logits.argmax(-1), features)
@@ -129,8 +127,8 @@ def test_a_deterministic_child_holding_all_the_mass_left_is_accepted_with_probab
     tokens = torch.tensor([vocab - 1, *range(width)]).expand(batch, -1)
     parents = torch.tensor([-1] + [0] * width).expand(batch, -1)
     depths = (parents >= 0).long()
-    q_cond, q_full = torch.ones(batch, width + 1), torch.zeros(batch, width + 1, vocab)
-    tree = Tree(tokens, parents, depths, q_cond, q_full, sampled=False, max_depth=1, max_children=width)
+    q_full = torch.zeros(batch, width + 1, vocab)
+    tree = Tree(tokens, parents, depths, q_full, sampled=False, max_depth=1, max_children=width)
     below_one = 1.0 - 2.0**-24  # the largest float32 below 1, which torch.rand can draw
     uniforms = Uniforms(torch.full((batch, 1, width), below_one), torch.rand(batch, generator=g))
     for rule in (ExactRule(), CascadeRule(tau_pos=2.0, tau_seq=2.0)):  # cascade without any relaxation
@@ -292,9 +290,7 @@ def one_child(x: int, q: list[float] | None = None) -> tuple[Tree, TargetView]:
     sampled = q is not None
     q_full = torch.tensor([q or [0.2] * 5, [0.2] * 5])
     probs = torch.tensor([P_ROOT, [0.2] * 5])
-    q_cond = torch.tensor([1.0, q[x] if q else 1.0])
-    tree = Tree(torch.tensor([[0, x]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), q_cond[None], q_full[None],
-                sampled, 1, 1)  # fmt: skip
+    tree = Tree(torch.tensor([[0, x]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), q_full[None], sampled, 1, 1)
     return tree, TargetView(probs[None], probs.argmax(-1)[None], torch.randn(1, 2, 4))
 
 
@@ -367,8 +363,8 @@ def test_cascade_dev_follows_the_development_code_by_hand():
     probs = torch.tensor([P_ROOT, [0.2] * 5, [0.2] * 5])
     q_full = torch.tensor([[0.2] * 5, [0.1, 0.2, 0.3, 0.2, 0.2], [0.1, 0.2, 0.3, 0.2, 0.2]])
     for first, expected in ((2, 0.2 / 0.75), (1, 0.1)):
-        tree = Tree(torch.tensor([[0, first, 3]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
-                    torch.ones(1, 3), q_full[None], False, 1, 2)  # fmt: skip
+        tree = Tree(torch.tensor([[0, first, 3]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]), q_full[None],
+                    False, 1, 2)  # fmt: skip
         view = TargetView(probs[None], probs.argmax(-1)[None], torch.randn(1, 3, 4))
         verdict = verify(tree, view, CascadeDevRule(), Uniforms(torch.ones(1, 1, 2), torch.zeros(1)))
         assert float(verdict.accept_prob[0, 0, 0]) == pytest.approx(expected)
