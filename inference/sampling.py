@@ -131,6 +131,12 @@ class Proposal:
         probs, order = self.probs.topk(k, dim=-1)
         return probs, self.support.gather(-1, order)
 
+    def largest(self, k: int) -> Tensor:
+        """The k largest probabilities, descending, (..., k): `top` without the token ids."""
+        if self.support is None or self.support.shape[-1] < k:
+            return self.dense().topk(k, dim=-1).values
+        return self.probs.topk(k, dim=-1).values
+
     def ranked(self, k: int) -> Tensor:
         """The k likeliest tokens, likeliest first (greedy drafting). -> (..., k) int64."""
         return self.top(k)[1]

@@ -209,7 +209,7 @@ def draft_dynamic_tree(
         sampled=False,
         max_depth=depth,
         max_children=k,
-        distinct_siblings=True,  # one top-k (or draw without replacement) per parent
+        distinct_siblings=True,  # one top-k per parent
     )
 
 
@@ -264,13 +264,14 @@ def draft_sampled_dynamic_tree(
         race = exponential_race((batch, sum(rows_drawn_from), level_proposal.probs.shape[-1]), device, generator)
     offset = 0
     for level, (level_width, drawn_from) in enumerate(zip(widths, rows_drawn_from, strict=True), start=1):
-        sorted_q, ranked = level_proposal.top(k)  # (B, M, K) q's k largest, likeliest first, and their tokens
-        picked = select_sampled_slots(level_scores, sorted_q, level_width)  # (B, W) slots n * K + c, a prefix per node
-        if greedy:
-            draws, drawn_q = ranked, sorted_q
+        if greedy:  # (B, M, K) q's k largest, likeliest first, and their tokens
+            sorted_q, draws = level_proposal.top(k)
+            drawn_q = sorted_q
         else:  # (B, M, K) in draw order, and q of each
+            sorted_q = level_proposal.largest(k)
             level_race = None if race is None else race[:, offset : offset + drawn_from]
             draws, drawn_q = gumbel_topk_with_q(level_proposal, k, generator, level_race)
+        picked = select_sampled_slots(level_scores, sorted_q, level_width)  # (B, W) slots n * K + c, a prefix per node
         parent_slot = picked // k  # (B, W) nodes ordered by (parent, rank): parents-first, draw order
         new_tokens = draws.flatten(1).gather(1, picked)
         tokens.append(new_tokens)
@@ -299,7 +300,7 @@ def draft_sampled_dynamic_tree(
         sampled=not greedy,
         max_depth=depth,
         max_children=k,
-        distinct_siblings=True,  # one top-k (or draw without replacement) per parent
+        distinct_siblings=True,  # one top-k (greedy) or one draw without replacement per parent
     )
 
 

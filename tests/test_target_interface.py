@@ -119,6 +119,7 @@ def test_a_proposal_on_its_support_ranks_and_spreads_like_the_dense_q():
     assert torch.equal(proposal.dense(), q) and proposal.size == 6
     assert proposal.ranked(2).tolist() == [[1, 4]] == q.topk(2).indices.tolist()  # likeliest first
     assert proposal.ranked(4)[0, :3].tolist() == [1, 4, 3]  # more than the support holds: from the dense q
+    assert torch.equal(proposal.largest(2), q.topk(2).values) and torch.equal(proposal.largest(4), q.topk(4).values)
     assert torch.equal(proposal[:, None].dense(), q[:, None])  # indexing keeps probabilities and ids together
     with pytest.raises(ValueError, match="needs vocab_size"):
         Proposal(q.gather(-1, support), support)
