@@ -40,6 +40,7 @@ slots, V vocabulary, P path length (max depth + 1), D features.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -294,11 +295,12 @@ def verify(
         passed = first
         tested = inputs.usable & ((accepted_so_far == 0) | first)  # tests made: up to the first accept
     # A node is accepted iff it passed its parent's test and so did every ancestor; take the deepest.
-    node_passed = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=device)
-    node_passed.scatter_(1, tables.child_or_dump, passed.flatten(1))
-    node_passed[:, 0] = True  # the root
+    # (B, N + 1): the root passed, each child as its test went (no child is node 0), padding into column N
+    node_passed = _only_the_root(batch, num_nodes + 1, device).scatter(1, tables.child_or_dump, passed.flatten(1))
     path_ok = (node_passed[:, :num_nodes].gather(1, tables.path_index).view_as(paths) | tables.off_path).all(-1)
-    last_node = tables.deepest_first.masked_fill(~path_ok, -1).argmax(-1)  # (B,) deepest, the first in node order
+    # (B,) the deepest accepted node, the first in node order: deepest_first is 0 at the root only, so the root
+    # wins where nothing else passed
+    last_node = (tables.deepest_first * path_ok).argmax(-1)
     walk = paths[rows, last_node]  # (B, P) nodes of the walk: their children were tested
     last_row = last_node
     if view.node_row is not None:  # rows of the view (-1 for padding); the last node may be a leaf, outside it
@@ -326,6 +328,12 @@ def verify(
     if not greedy:
         next_token = sample_inverse_cdf(final, uniforms.bonus)
     return Verdict(last_node, tree.depths[rows, last_node], next_token, tv_charged, accept_prob, final)
+
+
+@functools.lru_cache(maxsize=16)
+def _only_the_root(batch: int, width: int, device: torch.device) -> Tensor:
+    """(batch, width) bool, True in column 0 only; a shared constant, never written to."""
+    return torch.arange(width, device=device).expand(batch, -1) == 0
 
 
 def _budget(rule: CascadeRule, tree: Tree, inputs: TreeInputs, want: Tensor) -> Tensor:
