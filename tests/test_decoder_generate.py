@@ -22,7 +22,7 @@ from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, Lant
 from inference.sampling import Proposal, proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, WalkTables, load_static_tree, node_paths
-from inference.tree_drafting import gumbel_topk, q_over_nodes
+from inference.tree_drafting import gumbel_topk, gumbel_topk_with_q, q_over_nodes
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
@@ -485,6 +485,29 @@ def test_a_static_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree
         rows = [race.storage_offset() // race.stride(1) + i for race in tree_races for i in range(race.shape[1])]
         drafted = spec.run_mask(torch.device("cpu")).shape[0]
         assert sorted(rows) == list(range(1 + drafted))  # disjoint, and together the whole block
+
+
+def test_a_sampled_dynamic_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(tiny_target, monkeypatch):
+    """The sampled dynamic tree draws every level's Exp(1) race at once too: level 1 races on one row, each later
+    level on as many rows as the level before it has nodes, all disjoint rows of one block per tree."""
+    config = DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13)  # levels of 1, 4, 4 nodes
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    races: list[torch.Tensor] = []
+
+    def recording_topk_with_q(q, k, generator, race=None):
+        races.append(race)
+        return gumbel_topk_with_q(q, k, generator, race)
+
+    monkeypatch.setattr(tree_drafting, "gumbel_topk_with_q", recording_topk_with_q)
+    generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
+    assert races and len(races) % config.depth == 0 and all(race is not None for race in races)
+    for start in range(0, len(races), config.depth):
+        tree_races = races[start : start + config.depth]
+        assert [race.shape[1] for race in tree_races] == [1, 4, 4]  # the nodes each level draws from
+        storage = tree_races[0].untyped_storage().data_ptr()
+        assert all(race.untyped_storage().data_ptr() == storage for race in tree_races)
+        rows = [race.storage_offset() // race.stride(1) + i for race in tree_races for i in range(race.shape[1])]
+        assert sorted(rows) == list(range(9))  # disjoint, and together the whole block
 
 
 def test_a_static_shapes_walk_tables_are_built_at_the_first_step_and_stay_what_a_fresh_build_gives(tiny_target):
