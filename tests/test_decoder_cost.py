@@ -2,11 +2,16 @@
 
 Budgets that hold today and must not regress: at most one host sync per verification step (the
 step's packed read of the commit width) for every rule and tree kind; a ceiling on the aten ops of
-each phase (drafting, verification, view, commit) per tree kind; and a verification whose op count
-does not grow with the depth of the tree (it loops over child slots, never over levels or nodes).
+each phase (drafting, verification, view, commit) per tree kind; a verification whose op count
+does not grow with the depth of the tree (it loops over child slots, never over levels or nodes);
+and, on the toy target itself, a step whose drafting, view, verification and commit take no more ops
+than the target's forward over the tree (every rule on the static and dynamic trees, exact on the
+sampled dynamic tree).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,9 +20,12 @@ from test_drafter_models import tiny_drafter
 from inference.compiled import COMPILED_FLAG, decodes_under_no_grad, decoding_mode
 from inference.cost import OpCounter, count_decode_ops, format_op_table
 from inference.eagle import EagleDrafter
+from inference.generate import build_rule
 from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.speculative import DecoderConfig, generate_speculative
 from inference.verify import build_latent_neighbours
+from models.eagle import EagleDraftModel, drafter_preset
+from models.registry import load_target
 
 PROMPTS = ["a small red circle at the top left on a plain blue background"]
 TREES = {
@@ -161,3 +169,32 @@ def test_verification_cost_does_not_grow_with_tree_depth(decoder):
         counts.append(counter.per_step()["verify"][0])
     # neither the tree's tables (children; paths read off the ancestor mask) nor the rule loop over levels
     assert counts[1] - counts[0] <= 6, counts  # measured: 1.6 for three more levels
+
+
+def test_on_the_toy_target_a_step_costs_no_more_ops_than_its_tree_forward():
+    """The decode-cost issue's bar on the toy target itself: drafting + view + verification + commit take no
+    more aten ops than the target's forward over the tree, for every rule on both static trees and the dynamic
+    tree, and for exact on the sampled dynamic tree. The other rules on the sampled dynamic tree test a node's
+    ten child slots one after another and stay above it (README): they are held to 1.35x here.
+
+    The toy runs its shipped weights and a drafter of the demo's preset with random weights: no step's op count
+    depends on the weights (the trees have fixed shapes; only the image end's limit, in a row's last steps,
+    depends on how much was accepted, a fraction of an op a step)."""
+    target = load_target("toy")
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleDraftModel(drafter_preset("toy", "eagle3")), target)
+    names = ("exact", "cascade", "lantern", "lantern++", "gsd", "gsd-blocks", "cascade-dev")
+    toy_rules = {name: build_rule(name, target) for name in names}
+    default = DecoderConfig().for_target(target)
+    trees = {
+        "static": default,
+        "mc_sim_7b_63": dataclasses.replace(default, static_tree="mc_sim_7b_63"),
+        "dynamic": dataclasses.replace(default, tree="dynamic"),
+        "dynamic-sampled": dataclasses.replace(default, tree="dynamic-sampled"),
+    }
+    rows = count_decode_ops(target, drafter, toy_rules, trees, PROMPTS[:1])
+    print(format_op_table(rows))
+    assert len(rows) == len(names) * len(trees)
+    for row in rows:
+        at_most = 1.35 if row["tree"] == "dynamic-sampled" and row["rule"] != "exact" else 1.0
+        assert row["syncs_per_step"] <= 1.0 and row["overhead_ops_per_target_op"] <= at_most, row
