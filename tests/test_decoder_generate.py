@@ -22,7 +22,7 @@ from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, Lant
 from inference.sampling import Proposal, proposal_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, WalkTables, load_static_tree, node_paths
-from inference.tree_drafting import gumbel_topk, gumbel_topk_with_q, q_over_nodes
+from inference.tree_drafting import q_over_nodes
 from inference.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
@@ -461,53 +461,46 @@ def test_a_dynamic_trees_level_masks_are_each_nodes_ancestors_after_the_committe
     assert deepest[0] == config.depth - 1  # levels whose parents are draft columns were checked too
 
 
-def test_a_static_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(tiny_target, monkeypatch):
-    """Every level of a sampled static tree draws its children with Exp(1) draws of its own: disjoint rows
-    of one block drawn per tree (shared rows would correlate the draws of different levels)."""
-    spec = StaticTreeSpec(MC_SIM_7B_63)
+_MC_SIM = StaticTreeSpec(MC_SIM_7B_63)
+
+
+@pytest.mark.parametrize(
+    "config, sampler, levels, rows_per_level",
+    [  # a static tree's block: the root's row, then one per drafted node
+        (DecoderConfig(tree="static", static_tree="mc_sim_7b_63"), "gumbel_topk", _MC_SIM.max_depth, None),
+        # the sampled dynamic tree's levels hold 1, 4 and 4 nodes: level 1 races on the root's row, each later
+        # level on as many rows as the level before it has nodes
+        (DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13), "gumbel_topk_with_q", 3, [1, 4, 4]),
+    ],
+    ids=["static", "dynamic-sampled"],
+)
+def test_a_sampled_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(
+    tiny_target, monkeypatch, config, sampler, levels, rows_per_level
+):
+    """Every level of a sampled tree draws its children with Exp(1) draws of its own: disjoint rows of one
+    block drawn per tree (shared rows would correlate the draws of different levels)."""
     drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
     races: list[torch.Tensor] = []
+    draw = getattr(tree_drafting, sampler)
 
-    def recording_topk(q, k, generator, race=None):
+    def recording(q, k, generator, race=None):
         races.append(race)
-        return gumbel_topk(q, k, generator, race)
+        return draw(q, k, generator, race)
 
-    monkeypatch.setattr(tree_drafting, "gumbel_topk", recording_topk)
-    config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
+    monkeypatch.setattr(tree_drafting, sampler, recording)
     generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
-    assert len(races) % spec.max_depth == 0 and all(race is not None for race in races)
-    for start in range(0, len(races), spec.max_depth):
-        tree_races = races[start : start + spec.max_depth]
-        # one (B, 1 + M, S) block per tree, each level's race a slice of its rows (decoding runs in inference
+    assert races and len(races) % levels == 0 and all(race is not None for race in races)
+    block_rows = 1 + _MC_SIM.run_mask(torch.device("cpu")).shape[0] if rows_per_level is None else sum(rows_per_level)
+    for start in range(0, len(races), levels):
+        tree_races = races[start : start + levels]
+        if rows_per_level is not None:
+            assert [race.shape[1] for race in tree_races] == rows_per_level
+        # one (B, rows, S) block per tree, each level's race a slice of its rows (decoding runs in inference
         # mode, which keeps no `_base`: the storage tells)
         storage = tree_races[0].untyped_storage().data_ptr()
         assert all(race.untyped_storage().data_ptr() == storage for race in tree_races)
         rows = [race.storage_offset() // race.stride(1) + i for race in tree_races for i in range(race.shape[1])]
-        drafted = spec.run_mask(torch.device("cpu")).shape[0]
-        assert sorted(rows) == list(range(1 + drafted))  # disjoint, and together the whole block
-
-
-def test_a_sampled_dynamic_trees_levels_race_on_disjoint_rows_of_one_block_drawn_per_tree(tiny_target, monkeypatch):
-    """The sampled dynamic tree draws every level's Exp(1) race at once too: level 1 races on one row, each later
-    level on as many rows as the level before it has nodes, all disjoint rows of one block per tree."""
-    config = DecoderConfig(tree="dynamic-sampled", top_k=4, depth=3, total_tokens=13)  # levels of 1, 4, 4 nodes
-    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
-    races: list[torch.Tensor] = []
-
-    def recording_topk_with_q(q, k, generator, race=None):
-        races.append(race)
-        return gumbel_topk_with_q(q, k, generator, race)
-
-    monkeypatch.setattr(tree_drafting, "gumbel_topk_with_q", recording_topk_with_q)
-    generate_speculative(tiny_target, drafter, PROMPTS, ExactRule(), config, generator=torch.Generator().manual_seed(0))
-    assert races and len(races) % config.depth == 0 and all(race is not None for race in races)
-    for start in range(0, len(races), config.depth):
-        tree_races = races[start : start + config.depth]
-        assert [race.shape[1] for race in tree_races] == [1, 4, 4]  # the nodes each level draws from
-        storage = tree_races[0].untyped_storage().data_ptr()
-        assert all(race.untyped_storage().data_ptr() == storage for race in tree_races)
-        rows = [race.storage_offset() // race.stride(1) + i for race in tree_races for i in range(race.shape[1])]
-        assert sorted(rows) == list(range(9))  # disjoint, and together the whole block
+        assert sorted(rows) == list(range(block_rows))  # disjoint, and together the whole block
 
 
 def test_a_static_shapes_walk_tables_are_built_at_the_first_step_and_stay_what_a_fresh_build_gives(tiny_target):
