@@ -179,9 +179,8 @@ def draw_probabilities(q: Tensor, tokens: Tensor, drawn: Tensor) -> tuple[Tensor
     """Sampled drafts: the probability each child was drawn with, and q's mass left before it.
 
     Child c of a node was drawn from q there with the earlier children's tokens removed: with probability
-    q(x_c) / mass_left[c], mass_left[c] = q's mass outside x_0 .. x_{c-1}. That mass is summed as the mass no
-    child took plus the children's from c on, so no subtraction loses it when little is left. A draw with
-    q = 0 (padding) gets 0.
+    q(x_c) / mass_left[c], mass_left[c] = q's mass outside x_0 .. x_{c-1} (`mass_left_by_slot`: no subtraction
+    loses a small remainder). A draw with q = 0 (padding) gets 0.
 
     Args:
         q: (B, I, V) the drafter's q at the parent nodes; tokens: (B, I, K) their children's tokens in draw order;
@@ -189,10 +188,22 @@ def draw_probabilities(q: Tensor, tokens: Tensor, drawn: Tensor) -> tuple[Tensor
     Returns:
         (B, I, K) each child's draw probability, and (B, I, K) mass_left, at least 1e-30 (a divisor).
     """
-    kid_q = q.gather(2, tokens) * drawn  # (B, I, K) q(x_c), 0 on empty slots
-    never_drawn = q.scatter_add(2, tokens, -kid_q).sum(-1, keepdim=True)  # drawn tokens at exactly 0
-    mass_left = (never_drawn + kid_q.flip(-1).cumsum(-1).flip(-1)).clamp_min(1e-30)
+    kid_q, _, mass_left = mass_left_by_slot(q, tokens, drawn)
+    mass_left = mass_left.clamp_min(1e-30)
     return kid_q / mass_left, mass_left
+
+
+def mass_left_by_slot(dist: Tensor, tokens: Tensor, taken: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What is left of a distribution over the vocabulary as a node's children take their tokens in slot order.
+
+    dist (B, I, V) at the parent nodes, tokens (B, I, K) their children's, taken (B, I, K) bool: the slots whose
+    token is removed. Returns each taken child's mass (B, I, K) (0 elsewhere), dist with every taken token at
+    exactly 0 (B, I, V), and the mass left before each slot (B, I, K): what no slot took plus the taken children's
+    from that slot on, summed from the last slot back, so that no subtraction loses a small remainder and a child
+    that takes all the mass left holds exactly that mass."""
+    kid_mass = dist.gather(2, tokens) * taken  # (B, I, K)
+    removed = dist.scatter_add(2, tokens, -kid_mass)  # every taken token at exactly 0; the others add 0
+    return kid_mass, removed, removed.sum(-1, keepdim=True) + kid_mass.flip(-1).cumsum(-1).flip(-1)
 
 
 def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -245,10 +256,9 @@ def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
     The mass left before slot c is what was never removed plus the tested children's from slot c on, summed
     from the last slot back, so that where a child takes all the mass left its p_c(x) is exactly 1 (as in the
     loop, which divides that child's mass by itself)."""
-    p, usable, tokens = inputs.probs, inputs.usable, inputs.kid_tokens  # (B, I, V), (B, I, K) twice
-    p_kids = p.gather(2, tokens) * usable  # (B, I, K) p(x), 0 where untested (duplicates, padding, too deep)
-    removed = p.scatter_add(2, tokens, -p_kids)  # every tested child's token at exactly 0; untested ones add 0
-    mass_left = removed.sum(-1, keepdim=True) + p_kids.flip(-1).cumsum(-1).flip(-1)  # (B, I, K)
+    p, tokens = inputs.probs, inputs.kid_tokens  # (B, I, V), (B, I, K)
+    # p(x) (B, I, K), 0 where untested (duplicates, padding, too deep); p without the tested children's tokens
+    p_kids, removed, mass_left = mass_left_by_slot(p, tokens, inputs.usable)
     before = strictly_lower(tokens.shape[-1], p.device)  # (K, K) [c, c']: c' < c
     # 0 / 0 only past a child that took all the mass left (accepted with probability 1: never reached)
     p_x = (p_kids / mass_left).nan_to_num_(0.0)

@@ -273,7 +273,7 @@ def test_every_drafted_tree_that_claims_distinct_siblings_has_them(tiny_target, 
         def on_verify(self, tree, view, verdict) -> None:
             self.trees.append(tree)
 
-    # a flat drafter: many near-equal candidates, where a careless top-k would repeat a token
+    # a random tiny drafter: flat proposals, many near-equal candidates per node
     drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
     configs = (
         DYNAMIC,
