@@ -79,6 +79,13 @@ def process_rank() -> int:
     return int(getattr(rank_zero_only, "rank", 0))
 
 
+def end_process_group() -> None:
+    """Destroy the distributed process group a fit started, if any. Left to interpreter exit, gloo's threads can
+    outlive it and abort the finished process ("terminate called without an active exception", exit -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class DrafterCLI(LightningCLI):
     """LightningCLI with a checkpoint section, the target linked into the data section, and --ckpt_path."""
 
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.validate(system, datamodule=data, verbose=False)
     if trainer.is_global_zero:
         summarize(trainer, before)
+    end_process_group()
     return 0
 
 

@@ -46,6 +46,7 @@ from models.eagle import EagleDraftModel  # noqa: E402
 from training.callbacks import DecodeValidation  # noqa: E402
 from training.convert import convert_checkpoint  # noqa: E402
 from training.deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
+from training.fit import end_process_group  # noqa: E402
 from training.objective import ObjectiveConfig  # noqa: E402
 from training.system import DrafterSystem, OptimizerConfig  # noqa: E402
 
@@ -192,6 +193,7 @@ def main() -> None:
         }
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: result[k] for k in ("strategy", "losses", "grad_norms", "fit_s")}))
+    end_process_group()
 
 
 if __name__ == "__main__":
