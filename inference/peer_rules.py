@@ -199,14 +199,16 @@ class GSDRule:
         return self.embeddings.to(inputs.probs.device).float()
 
     def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        """p's and q's mass of x's cluster, (B, I) each (q's None for deterministic drafts); for `slot` with a K axis
+        every tensor below gains it, after I."""
         order = slot.p.argsort(dim=-1, descending=True, stable=True)  # (B, I, V)
         vocab, centre = slot.p.shape[-1], self.window // 2
         rank_x = (order == slot.x_column).max(-1, keepdim=True).indices  # (B, I, 1) x's place in the order
         at = rank_x + _window_offsets(self.window, slot.p.device)  # (B, I, W): x's rank at `centre`
         clipped = at.clamp(0, vocab - 1)
         inside = clipped == at
-        members = order.gather(2, clipped)  # (B, I, W), x at `centre`
-        p_members = slot.p.gather(2, members)
+        members = order.gather(-1, clipped)  # (B, I, W), x at `centre`
+        p_members = slot.p.gather(-1, members)
         member_embeddings = embeddings[members]  # (B, I, W, E)
         distance = (member_embeddings - member_embeddings[..., centre : centre + 1, :]).pow(2).sum(-1)  # (B, I, W)
         keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
@@ -215,7 +217,7 @@ class GSDRule:
         mass = (p_members * keep).sum(-1)
         if slot.q_draw is None:  # q(C) = 1
             return mass, None
-        return mass, (slot.q_draw.gather(2, members) * keep).sum(-1)
+        return mass, (slot.q_draw.gather(-1, members) * keep).sum(-1)
 
     def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         mass, proposal = self._cluster_mass(state, slot)
@@ -224,6 +226,12 @@ class GSDRule:
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return self._cluster_mass(state, slot)[0]
+
+    def acceptance_sampled(self, inputs: TreeInputs, state: Any, slots: SlotInputs) -> tuple[Tensor, None]:
+        """`test_slot`'s a0 for every slot of sampled drafts at once (`slots` with a K axis; the residual is the exact
+        one): one sort of the (B, I, K, V) residual targets instead of one per slot. -> (B, I, K), None."""
+        mass, proposal = self._cluster_mass(state, slots)
+        return mass / proposal.clamp_min(1e-30) if proposal is not None else mass, None
 
     def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, None]:
         """`test_slot`'s a0 for every slot of deterministic drafts (q(C) = 1; the residual only removes x), from one
@@ -311,16 +319,29 @@ class CascadeDevRule:
         return CascadeDevState(convergence, pairs)
 
     def test_slot(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> SlotTest:
-        convergence, pairs = state.per_slot[slot.slot]  # (B, I), (B, I, K)
+        return SlotTest(self._acceptance(inputs, state, slot), None, exact_residual(slot.p, slot.x_column, slot.q_draw))
+
+    def acceptance_sampled(self, inputs: TreeInputs, state: CascadeDevState, slots: SlotInputs) -> tuple[Tensor, None]:
+        """`test_slot`'s a0 for every slot of sampled drafts at once (`slots` with a K axis; the residual is the exact
+        one), (B, I, K), None."""
+        return self._acceptance(inputs, state, slots), None
+
+    def _acceptance(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
+        """a0 (B, I), or (B, I, K) for `slot` with a K axis."""
+        if slot.slot is None:  # every slot at once: each slot's pairs with its siblings, (B, I, K, K)
+            convergence, pairs = state.convergence, state.pairs
+            siblings = inputs.kid_tokens[:, :, None, :].expand_as(pairs)
+        else:
+            convergence, pairs = state.per_slot[slot.slot]  # (B, I), (B, I, K)
+            siblings = inputs.kid_tokens
         plain = exact_acceptance(slot)
-        total = convergence + (slot.p.gather(2, inputs.kid_tokens) * pairs).sum(-1)  # (B, I) S
+        total = convergence + (slot.p.gather(-1, siblings) * pairs).sum(-1)  # (B, I) S
         # min(1, p(x) / (q(x) - S)), and 1 where S >= q(x): there p(x) / 0 is inf, or NaN for p(x) = 0, both -> 1
         second = (slot.p_x / (slot.q_x - total).clamp_min(0.0)).nan_to_num_(1.0).clamp_max(1.0)
         gate = (slot.p * (slot.p > slot.p_x[..., None])).sum(-1) < self.nucleus  # x in p's nucleus: less mass above it
         # with S > 0, q(x) - S < q(x) and the second test accepts at least as often as the plain one (both are
         # monotone in floating point too): the larger of the two is the second
-        a0 = torch.where(gate & (total > 0), second, plain)
-        return SlotTest(a0, None, exact_residual(slot.p, slot.x_column, slot.q_draw))
+        return torch.where(gate & (total > 0), second, plain)
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
         return slot.p_x

@@ -20,9 +20,11 @@ from inference.tree import Tree, WalkTables, select
 
 @dataclass
 class SlotInputs:
-    """What a rule sees when the c-th child of every node is tested."""
+    """What a rule sees when the c-th child of every node is tested (`slot` = c; the shapes below), or, for a rule's
+    closed form on sampled drafts (`acceptance_sampled`), every child slot at once (`slot` None: each tensor has a
+    K axis after I, e.g. p (B, I, K, V), q_x (B, I, K)). Rules index the vocabulary as dim -1 to serve both."""
 
-    slot: int
+    slot: int | None
     p: Tensor  # (B, I, V) current residual target at every parent node (normalised)
     x: Tensor  # (B, I) token of each node's c-th child (any value where the slot is empty)
     x_column: Tensor  # (B, I, 1) the same tokens, as a gather/scatter index over V
@@ -33,7 +35,7 @@ class SlotInputs:
     @functools.cached_property
     def p_x(self) -> Tensor:
         """(B, I) p(x); gathered only for a rule that reads it (LANTERN reads it with x's neighbours)."""
-        return self.p.gather(2, self.x_column)[..., 0]
+        return self.p.gather(-1, self.x_column)[..., 0]
 
 
 @dataclass

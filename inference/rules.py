@@ -84,6 +84,10 @@ class ExactRule:
         """`test_slot`'s a0 for every slot of deterministic drafts (q(x) = 1): p_c(x), (B, I, K)."""
         return slots.p_x.clamp_max(1.0), None
 
+    def acceptance_sampled(self, inputs: TreeInputs, state: Any, slots: SlotInputs) -> tuple[Tensor, Tensor | None]:
+        """`test_slot`'s a0 for every slot of sampled drafts (`slots` with a K axis): p_c(x) / q_c(x), (B, I, K)."""
+        return slots.p_x / slots.q_x, None
+
 
 @dataclass
 class CascadeSets:
@@ -189,15 +193,24 @@ class CascadeRule:
         return SlotTest(a0, want, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def _relaxed(self, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor]:
-        """a0 and the charge wanted on top, (B, I) each."""
+        """a0 and the charge wanted on top, (B, I) each (every slot's, (B, I, K), for `slot` with a K axis)."""
         a0 = exact_acceptance(slot)
-        c = slot.slot
-        candidates, pooled, eligible = state.per_slot[c]  # (B, I, C) twice, (B, I)
-        extra = (slot.p.gather(2, candidates) * pooled).sum(-1)  # (B, I)
+        if slot.slot is None:  # every slot at once
+            candidates, pooled, eligible = state.candidates, state.pooled, state.eligible
+        else:
+            candidates, pooled, eligible = state.per_slot[slot.slot]  # (B, I, C) twice, (B, I)
+        extra = (slot.p.gather(-1, candidates) * pooled).sum(-1)  # (B, I)
         if self.pool_beyond_tree:  # beyond the tree: all other mass
-            extra = torch.where(state.converged[:, :, c], 1.0 - slot.p_x, extra)
+            converged = state.converged if slot.slot is None else state.converged[:, :, slot.slot]
+            extra = torch.where(converged, 1.0 - slot.p_x, extra)
         relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
         return a0, self._charge_wanted(relaxed, a0, eligible)
+
+    def acceptance_sampled(
+        self, inputs: TreeInputs, state: CascadeSets, slots: SlotInputs
+    ) -> tuple[Tensor, Tensor | None]:
+        """`test_slot`'s a0 and want for every slot of sampled drafts at once (`slots` with a K axis), (B, I, K)."""
+        return self._relaxed(state, slots)
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:
         return slot.p_x + self._relaxed(state, slot)[1].clamp_max(self.delta)

@@ -215,38 +215,84 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
     p = inputs.probs  # (B, I, V)
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
-    at_once = getattr(rule, "acceptance_at_once", None)
-    if not tree.sampled and at_once is not None:  # removals only: every slot at once, no loop
-        slots, residual = removal_slots(inputs)
-        a0, want = at_once(inputs, state, slots)
-        return a0 * usable, (None if want is None else want * usable), residual
-    q_left = inputs.q_parent  # (B, I, V) proposal mass not drawn yet (sampled trees)
-    q_mass_left: tuple[Tensor, ...] | None = None
-    if inputs.kid_q is not None and inputs.q_mass_left is not None:  # sampled: (B, I, K) each child's draw
-        q_kids = inputs.kid_q.masked_fill(~usable, 1.0).unbind(-1)  # probability; 1 where untested, so rules
-        q_mass_left = inputs.q_mass_left[..., None].unbind(-2)  # divide unguarded; K x (B, I, 1) q_left's mass
-    else:
-        q_kids = (torch.ones_like(p[..., 0]),) * children.shape[-1]  # (B, I) one-hot proposals
     width = children.shape[-1]
+    q_draws: tuple[Tensor, ...] | None = None
+    if not tree.sampled:
+        at_once = getattr(rule, "acceptance_at_once", None)
+        if at_once is not None:  # removals only: every slot at once, no loop
+            slots, residual = removal_slots(inputs)
+            a0, want = at_once(inputs, state, slots)
+            return a0 * usable, (None if want is None else want * usable), residual
+        q_kids = (torch.ones_like(p[..., 0]),) * width  # (B, I) one-hot proposals
+    else:
+        if inputs.kid_q is None:
+            raise ValueError("a sampled tree's TreeInputs need kid_q (prepare_tree)")
+        draws = draw_distributions(inputs)  # (B, I, K, V) q_c of every slot, 0 where untested
+        q_x = inputs.kid_q.masked_fill(~usable, 1.0)  # (B, I, K); 1 where untested, so rules divide unguarded
+        sampled_at_once = getattr(rule, "acceptance_sampled", None)
+        if sampled_at_once is not None:  # the exact residual: the chain of residuals first, then every test at once
+            all_slots, residual = sampled_slots(inputs, draws, q_x)
+            a0, want = sampled_at_once(inputs, state, all_slots)
+            return a0.clamp_max(1.0) * usable, (None if want is None else want * usable), residual
+        q_kids, q_draws = q_x.unbind(-1), draws.unbind(2)
     tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
     kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1), to gather with
     kid_x = inputs.kid_tokens.unbind(-1)  # K x (B, I): one op, not a select per slot
     a0s, wants = [], []
     for c in range(width):
-        x = kid_tokens[c]  # (B, I, 1)
-        q_draw = None if q_left is None or q_mass_left is None else q_left / q_mass_left[c]  # 0 if all was drawn
-        slot = SlotInputs(c, p, kid_x[c], x, q_kids[c], q_draw)
+        slot = SlotInputs(c, p, kid_x[c], kid_tokens[c], q_kids[c], None if q_draws is None else q_draws[c])
         test = rule.test_slot(inputs, state, slot)
         a0s.append(test.a0)
         if test.want is not None:  # budgeted rules only
             wants.append(test.want)
         # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
         p = torch.lerp(p, normalise_or_uniform(test.residual), tested[c])
-        if q_left is not None and c + 1 < width:  # the next child is drawn without this one; an untested
-            # slot is followed by untested ones only (padding draws and too-deep children end a sibling list)
-            q_left = q_left.scatter(2, x, 0.0)
     # rules leave a0 above 1 where it means 1: one clamp for every slot; untested slots are never accepted nor charged
     return torch.stack(a0s, -1).clamp_max(1.0) * usable, torch.stack(wants, -1) * usable if wants else None, p
+
+
+def draw_distributions(inputs: TreeInputs) -> Tensor:
+    """Sampled drafts: (B, I, K, V) q_c, the distribution each slot's child was drawn from: q at the parent without
+    the earlier children's tokens, over the mass left (`TreeInputs.q_mass_left`); 0 on untested slots.
+
+    One scatter_add of the earlier children's negated mass onto q copied K times: a removed token is exactly 0, and
+    a padding slot's token, which may repeat a child's, only lands on untested slots (every slot after an untested
+    one is untested), which the final product zeroes."""
+    q, tokens = inputs.q_parent, inputs.kid_tokens  # (B, I, V), (B, I, K)
+    if q is None or inputs.q_mass_left is None:
+        raise ValueError("draw_distributions needs a sampled tree's TreeInputs (q_parent, q_mass_left)")
+    width = tokens.shape[-1]
+    removed = q.gather(2, tokens)[:, :, None, :] * _minus_earlier(width, q.device)  # (B, I, K, K) [c, c']: c' < c
+    copies = q[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, V)
+    draws = copies.scatter_add(3, tokens[:, :, None, :].expand(-1, -1, width, -1), removed)
+    return draws * (inputs.usable / inputs.q_mass_left)[..., None]
+
+
+@functools.lru_cache(maxsize=8)
+def _minus_earlier(width: int, device: torch.device) -> Tensor:
+    """(K, K) float [c, c']: -1 where slot c' comes before slot c, else 0; a shared constant, never written to."""
+    return -strictly_lower(width, device).float()
+
+
+def sampled_slots(inputs: TreeInputs, draws: Tensor, q_x: Tensor) -> tuple[SlotInputs, Tensor]:
+    """Sampled drafts under a rule whose rejection leaves the exact residual: every slot's residual target p_c at
+    once, (B, I, K, V), as `SlotInputs` with a K axis, and the residual after every child, (B, I, V).
+
+    p_{c+1} = norm(relu(p_c - q_c)) is kept unnormalised, r_{c+1} = relu(r_c - sum(r_c) q_c) (then p_c = r_c /
+    sum(r_c)): three ops a slot, no per-slot normalising. An untested slot has q_c = 0 and leaves r as it is. A
+    residual that is all zero (p_c = q_c up to rounding, where a rejection has probability 0) stays zero: the
+    later slots see p_c = 0 and accept nothing, and the correction falls back to uniform (`normalise_or_uniform`).
+    """
+    residual = inputs.probs  # (B, I, V), normalised
+    kept, totals = [], []
+    for q_c in draws.unbind(2):  # (B, I, V) each
+        total = residual.sum(-1, keepdim=True)  # (B, I, 1)
+        kept.append(residual)
+        totals.append(total)
+        residual = torch.addcmul(residual, q_c, total, value=-1.0).relu_()
+    p = torch.stack(kept, 2) / torch.stack(totals, 2).clamp_min(1e-30)  # (B, I, K, V); 0 past an all-zero residual
+    tokens = inputs.kid_tokens  # (B, I, K)
+    return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws), normalise_or_uniform(residual)
 
 
 def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:

@@ -184,6 +184,37 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
     assert compared == 2 * 6 * 2 * len(rules)
 
 
+def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
+    """Exact, CASCADE, the CASCADE dev rule and GSD keep the exact residual, so on sampled drafts the chain of
+    residuals is built first and every slot is tested at once (`acceptance_sampled`): each slot's acceptance, the
+    budgeted rule's want and the residual after all children must be the slot loop's, on a wide tree (six children
+    under the root), with top-6 targets whose zeros the drafts often hit, and with image-end limits that leave
+    slots untested."""
+    vocab, compared = 12, 0
+    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
+    embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
+    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled")]
+    rules += [CascadeDevRule(nucleus=m, sim_threshold=0.1, pair_threshold=0.2) for m in (0.3, 0.7)]
+    rules += [GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=100.0) for w in (3, 20)]
+    assert {type(r) for r in rules} == {ExactRule, CascadeRule, CascadeDevRule, GSDRule}
+    for paths, seed, top in itertools.product((SMALL_TREE, wide), range(4), (None, 6)):
+        tree, view = build_case(paths, batch=8, vocab=vocab, sampled=True, seed=seed)
+        if top is not None:
+            kept = view.probs >= view.probs.topk(top, dim=-1).values[..., -1:]
+            view.probs = (view.probs * kept) / (view.probs * kept).sum(-1, keepdim=True)
+        inputs = prepare_tree(tree, view, torch.tensor([3, 2, 1, 0, 3, 2, 1, 3]))
+        assert (inputs.tables.has_child & ~inputs.usable).any()  # some drafted slots are past the limit
+        for rule in rules:
+            a0, want, residual = slot_tables(rule, inputs)
+            loop_a0, loop_want, loop_residual = slot_tables(SlotLoopOnly(rule), inputs)
+            torch.testing.assert_close(a0, loop_a0, msg=lambda m, r=rule: f"{r}: {m}")
+            torch.testing.assert_close(residual, loop_residual)
+            if want is not None:
+                torch.testing.assert_close(want, loop_want)
+            compared += 1
+    assert compared == 2 * 4 * 2 * len(rules)
+
+
 def inner_view(view: TargetView, paths=SMALL_TREE) -> TargetView:
     """The view restricted to the tree's nodes with children, with the full view's leaves as `at_leaf`."""
     structure = StaticTreeSpec(paths).structure(torch.device("cpu"))
