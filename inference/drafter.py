@@ -94,7 +94,10 @@ class Drafter(Protocol):
             attention_mask: (R, T, cache.length + T), the whole mask that `tree_start` and `tree_mask`
                 describe (`tree_attention_mask`), when the decoder has it, as the additive bias attention
                 adds (`attention_bias`: 0 or -inf, in the cache's dtype): a static tree's is built once
-                per tree and each level passes a slice. A drafter may use it instead of building its own.
+                per tree and each level passes a slice. A drafter may use it instead of building its own;
+                one that always does when given it says so with a class attribute `reads_attention_mask = True`,
+                and the decoder then passes tree_mask=None where it passes `attention_mask` (a dynamic tree's
+                levels need not derive it: a slice and a compare a level).
             position_encoding: one entry of `position_encodings(positions)`, which a drafter may define: what
                 its layers derive from a position (rotary cos and sin), computed once per tree for every
                 level and passed to a level whose elements all sit at that position. Passed only to a
@@ -182,16 +185,19 @@ class DraftContext:
         tokens: Tensor,
         depth: int,
         tree_start: int,
-        tree_mask: Tensor,
+        tree_mask: Tensor | None,
         attention_mask: Tensor | None = None,
     ) -> tuple[Proposal, Tensor]:
         """One drafter call over the W nodes of one level. parent_hidden (R, W, D), tokens (B, W),
-        tree_mask (W, J + W) shared by every row, (B, W, J + W) per prompt or (R, W, J + W) per row,
-        attention_mask (R, W, S) or None (`Drafter.forward`) -> q (B, W, V) as a `Proposal`, hidden (R, W, D)."""
+        tree_mask (W, J + W) shared by every row, (B, W, J + W) per prompt or (R, W, J + W) per row, None with
+        `attention_mask` for a drafter that reads it (`wants_tree_mask`), attention_mask (R, W, S) or None
+        (`Drafter.forward`) -> q (B, W, V) as a `Proposal`, hidden (R, W, D)."""
         rows, width = parent_hidden.shape[:2]
-        if tree_mask.dim() == 2:
+        if tree_mask is None and attention_mask is None:
+            raise ValueError("a tree level needs its tree_mask, or the attention_mask for a drafter that reads it")
+        if tree_mask is not None and tree_mask.dim() == 2:
             tree_mask = tree_mask.expand(rows, -1, -1)
-        elif tree_mask.shape[0] != rows:
+        elif tree_mask is not None and tree_mask.shape[0] != rows:
             tree_mask = to_rows(tree_mask, self.cfg)
         positions = self.level_positions[depth]  # (R, 1): one level, one position
         predicted = self.level_index[depth + 1]  # (B, 1)
@@ -209,6 +215,12 @@ class DraftContext:
         )
         self.forwards += 1
         return self.proposal(out, predicted if width == 1 else predicted.expand(tokens.shape)), out.hidden
+
+    @property
+    def wants_tree_mask(self) -> bool:
+        """Whether a level given its attention mask must also get its tree mask: not for a drafter that reads the
+        attention mask whenever given (`reads_attention_mask`, `Drafter.forward`)."""
+        return not getattr(self.drafter, "reads_attention_mask", False)
 
     @property
     def cfg_scale(self) -> float | None:

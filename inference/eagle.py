@@ -80,6 +80,8 @@ def check_compatible(model: EagleDraftModel, target: ImageTarget) -> None:
 class EagleDrafter:
     """`inference.drafter.Drafter` over an `EagleDraftModel` and the target's frozen embedding and head."""
 
+    reads_attention_mask = True  # `forward` uses the decoder's attention mask whenever given (no tree_mask then)
+
     def __init__(self, model: EagleDraftModel, target: ImageTarget) -> None:
         check_compatible(model, target)
         self.model = model.eval()

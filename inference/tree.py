@@ -174,11 +174,11 @@ class WalkTables:
             children=children,
             has_child=has_child,
             child_index=children.clamp_min(0).flatten(1),
-            child_or_dump=torch.where(has_child, children, num_nodes).flatten(1),
+            child_or_dump=children.remainder(num_nodes + 1).flatten(1),  # -1 padding -> the dump column N
             uniform_row=select(tree.depths, nodes)[..., None].clamp_max(tree.max_depth - 1).expand_as(children),
             path_index=paths.clamp_min(0).flatten(1),
             off_path=paths < 0,
-            deepest_first=tree.depths * (num_nodes + 1) - torch.arange(num_nodes, device=children.device),
+            deepest_first=tree.depths * (num_nodes + 1) - node_range(num_nodes, children.device),
             all_children=tree.children,
             parent_paths=select(paths, nodes),
             nodes=nodes,
@@ -256,6 +256,12 @@ class TreeStructure:
 
 
 Selection = Tensor | slice | None  # positions along one dimension: a run is a slice (a view), None is all
+
+
+@functools.lru_cache(maxsize=32)
+def node_range(count: int, device: torch.device) -> Tensor:
+    """(count,) int64 arange; built once per size and device, a shared constant, never written to."""
+    return torch.arange(count, device=device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -430,12 +436,11 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
 def children_table(parents: Tensor, max_children: int) -> Tensor:
     """Children of each node in node order. (B, N) parents -> (B, N, K) int64, -1 padded."""
     batch, num_nodes = parents.shape
-    earlier = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=parents.device).tril(-1)  # m < n
     same_parent = parents[:, :, None] == parents[:, None, :]  # (B, N, N)
-    rank = (same_parent & earlier).sum(-1)  # (B, N): how many earlier siblings
+    rank = (same_parent & strictly_lower(num_nodes, parents.device)).sum(-1)  # (B, N): how many earlier siblings
     table = torch.full((batch, num_nodes + 1, max_children + 1), -1, dtype=torch.long, device=parents.device)
-    row = torch.where(parents >= 0, parents, num_nodes)  # the root goes to a dump row
-    nodes = torch.arange(num_nodes, device=parents.device).expand(batch, -1)
+    row = parents.remainder(num_nodes + 1)  # the root's -1 goes to the dump row N
+    nodes = node_range(num_nodes, parents.device).expand(batch, -1)
     table[torch.arange(batch, device=parents.device)[:, None], row, rank.clamp_max(max_children)] = nodes
     return table[:, :num_nodes, :max_children]
 
@@ -458,12 +463,12 @@ def ancestor_paths(mask: Tensor, depths: Tensor, max_depth: int) -> Tensor:
 
     A node has one ancestor-or-self at each depth up to its own: path[b, n, d] = the m with mask[b, n, m] and
     depths[b, m] = d. One masked sum over (B, N, N, P), no loop over the depths."""
-    num_nodes = depths.shape[1]
-    levels = torch.arange(max_depth + 1, device=depths.device)  # (P,)
-    nodes = torch.arange(num_nodes, device=depths.device)[:, None]  # (N, 1)
-    node_at_depth = torch.where(depths[..., None] == levels, nodes, 0)  # (B, N, P): m where m's depth is d, else 0
+    num_nodes, column = depths.shape[1], depths[..., None]  # (B, N, 1)
+    levels = node_range(max_depth + 1, depths.device)  # (P,)
+    nodes = node_range(num_nodes, depths.device)[:, None]  # (N, 1)
+    node_at_depth = (column == levels) * nodes  # (B, N, P): m where m's depth is d, else 0
     paths = (mask[..., None] * node_at_depth[:, None]).sum(2)  # (B, N, P): the one ancestor at depth d
-    return torch.where(levels <= depths[..., None], paths, -1)
+    return paths.masked_fill(levels > column, -1)
 
 
 def leaf_paths(tree: Tree) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from inference.drafter import DraftContext, attention_bias, to_rows
 from inference.sampling import Proposal
-from inference.tree import StaticTreeSpec, Tree, select
+from inference.tree import StaticTreeSpec, Tree, node_range, select
 
 
 def draft_static_tree(
@@ -170,7 +170,12 @@ def draft_dynamic_tree(
         parent_rows = to_rows(hidden_slot, ctx.cfg)  # (R, K) each node's parent among the previous frontier
         masks = masks.children(parent_rows)
         proposal, prev_hidden = ctx.run_level(
-            prev_hidden[masks.row_index, parent_rows], toks, level, masks.tree_start, masks.tree_mask, masks.bias
+            prev_hidden[masks.row_index, parent_rows],
+            toks,
+            level,
+            masks.tree_start,
+            masks.tree_mask_for(ctx),
+            masks.bias,
         )
         ran_q.append(proposal)
         frontiers.append(frontier)
@@ -284,14 +289,19 @@ def draft_sampled_dynamic_tree(
         parent_rows = to_rows(parent_slot, ctx.cfg)  # (R, W)
         masks = masks.children(parent_rows)
         level_proposal, level_hidden = ctx.run_level(
-            level_hidden[masks.row_index, parent_rows], new_tokens, level, masks.tree_start, masks.tree_mask, masks.bias
+            level_hidden[masks.row_index, parent_rows],
+            new_tokens,
+            level,
+            masks.tree_start,
+            masks.tree_mask_for(ctx),
+            masks.bias,
         )
         inner_q.append(level_proposal)
     all_tokens = torch.cat(tokens, 1)
     num_nodes = all_tokens.shape[1]
     # the drafter ran on every node but the last level's: nodes 0 .. offset - 1, in node order
-    q_full = q_over_nodes(inner_q, _node_range(offset, device), num_nodes, vocab)
-    depths = torch.cat([torch.full_like(t, d) for d, t in enumerate(tokens)], 1)
+    q_full = q_over_nodes(inner_q, node_range(offset, device), num_nodes, vocab)
+    depths = _level_depths(tuple(widths), device).expand(batch, -1)  # (B, N): the levels' widths fix it
     return Tree(
         all_tokens,
         torch.cat(parents, 1),
@@ -338,6 +348,10 @@ class FrontierMasks:
         """(R, W, J + W) bool over the draft columns: `Drafter.forward`'s `tree_mask`."""
         return self.bias[:, :, self.tree_start :] == 0
 
+    def tree_mask_for(self, ctx: DraftContext) -> Tensor | None:
+        """`tree_mask`, or None for a drafter that reads the bias instead (`DraftContext.wants_tree_mask`)."""
+        return self.tree_mask if ctx.wants_tree_mask else None
+
 
 @functools.lru_cache(maxsize=16)
 def _identity_bias(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -346,9 +360,11 @@ def _identity_bias(size: int, dtype: torch.dtype, device: torch.device) -> Tenso
 
 
 @functools.lru_cache(maxsize=16)
-def _node_range(count: int, device: torch.device) -> Tensor:
-    """(count,) arange; a shared constant, never written to."""
-    return torch.arange(count, device=device)
+def _level_depths(widths: tuple[int, ...], device: torch.device) -> Tensor:
+    """(1 + sum(widths),) int64 each node's depth: the root, then `widths[d - 1]` nodes at depth d; a shared
+    constant, never written to."""
+    counts = torch.tensor([1, *widths], device=device)
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
 
 
 @functools.lru_cache(maxsize=16)

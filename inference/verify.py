@@ -210,7 +210,8 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     """Every node's tests, as if all its children were rejected in turn.
 
     Returns a0 (B, I, K) the rule's acceptance probability of each child, want (B, I, K) the extra a
-    budgeted rule asks for (None for the others), and the residual after all children (B, I, V).
+    budgeted rule asks for (None for the others), and the residual after all children (B, I, V). a0 and want
+    are finite but meaningless on untested slots: `verify` reads them only where `usable` (no op to zero them).
     """
     tree, children, usable = inputs.tree, inputs.children, inputs.usable
     p = inputs.probs  # (B, I, V)
@@ -222,7 +223,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         if at_once is not None:  # removals only: every slot at once, no loop
             slots, residual = removal_slots(inputs)
             a0, want = at_once(inputs, state, slots)
-            return a0 * usable, (None if want is None else want * usable), residual
+            return a0, want, residual
         q_kids = (torch.ones_like(p[..., 0]),) * width  # (B, I) one-hot proposals
     else:
         if inputs.kid_q is None:
@@ -233,7 +234,7 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         if sampled_at_once is not None:  # the exact residual: the chain of residuals first, then every test at once
             all_slots, residual = sampled_slots(inputs, draws, q_x)
             a0, want = sampled_at_once(inputs, state, all_slots)
-            return a0.clamp_max(1.0) * usable, (None if want is None else want * usable), residual
+            return a0.clamp_max(1.0), want, residual
         q_kids, q_draws = q_x.unbind(-1), draws.unbind(2)
     tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
     kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1), to gather with
@@ -247,8 +248,8 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
             wants.append(test.want)
         # untested slots keep p: lerp by 0 or 1 is exact, and a quarter of the time of a broadcast `where`
         p = torch.lerp(p, normalise_or_uniform(test.residual), tested[c])
-    # rules leave a0 above 1 where it means 1: one clamp for every slot; untested slots are never accepted nor charged
-    return torch.stack(a0s, -1).clamp_max(1.0) * usable, torch.stack(wants, -1) * usable if wants else None, p
+    # rules leave a0 above 1 where it means 1: one clamp for every slot
+    return torch.stack(a0s, -1).clamp_max(1.0), torch.stack(wants, -1) if wants else None, p
 
 
 def draw_distributions(inputs: TreeInputs) -> Tensor:

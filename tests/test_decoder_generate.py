@@ -415,12 +415,17 @@ def test_a_static_trees_prebuilt_level_masks_are_each_levels_ancestors_after_the
     assert max(depth_of) == spec.max_depth - 1
 
 
+@pytest.mark.parametrize("reads_bias", [True, False], ids=["reads-bias", "wants-tree-mask"])
 @pytest.mark.parametrize("tree", ["dynamic", "dynamic-sampled"])
-def test_a_dynamic_trees_level_masks_are_each_nodes_ancestors_after_the_committed_columns(tiny_target, tree):
+def test_a_dynamic_trees_level_masks_are_each_nodes_ancestors_after_the_committed_columns(
+    tiny_target, tree, reads_bias
+):
     """Each level of a dynamic tree hands the drafter its whole mask as the additive bias: the committed columns'
     validity, then every node's ancestors and itself among the draft columns. The expected masks are rebuilt
-    here from which node each node's features came from: a node's features are its parent's output hidden."""
+    here from which node each node's features came from: a node's features are its parent's output hidden. A
+    drafter that reads the bias (`reads_attention_mask`) gets no tree_mask; one that does not gets the ancestors."""
     drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    drafter.reads_attention_mask = reads_bias  # type: ignore[misc]
     forward, checked, deepest = drafter.forward, [], [0]
     previous: dict[str, torch.Tensor] = {}
 
@@ -445,7 +450,7 @@ def test_a_dynamic_trees_level_masks_are_each_nodes_ancestors_after_the_committe
                 bias.dtype == cache.entries.dtype
                 and torch.equal(bias == 0, expected)
                 and torch.equal(bias == float("-inf"), ~expected)
-                and torch.equal(kwargs["tree_mask"], ancestry)
+                and (kwargs["tree_mask"] is None if reads_bias else torch.equal(kwargs["tree_mask"], ancestry))
             )
             previous.update(ancestry=ancestry, depth=depth)
             deepest[0] = max(deepest[0], depth)
