@@ -21,9 +21,11 @@ from inference.rule_inputs import (
     SlotInputs,
     SlotTest,
     TreeInputs,
+    chain_step,
     children_mass_above,
     exact_acceptance,
     exact_residual,
+    normalise_or_uniform,
 )
 
 
@@ -108,6 +110,36 @@ class LanternRule:
     def greedy_mass(self, inputs: TreeInputs, state: Tensor, slot: SlotInputs) -> Tensor:
         return self._pooled(state, slot)[2]
 
+    def sampled_chain(
+        self, inputs: TreeInputs, table: Tensor, draws: Tensor, q_x: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """Every slot of sampled drafts, the authors' LlamaGen/Anole rule (`reject_zeroes="code"`, `static_zeroes="q"`;
+        None for the other settings, which the slot loop tests): a rejection removes q_c at x's k + 1 nearest latents
+        if the nearest was pooled, then relu(p_c - q_c). The residual is kept unnormalised (`chain_step`), the
+        zapped q_c of every slot is one scatter, and a slot costs the prefix sums over x and its nearest, the bound
+        and the choice of q_c (eight ops); the acceptances come at once after the chain.
+        draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) -> a0 (B, I, K), residual (B, I, V)."""
+        if self.reject_zeroes != "code" or self.static_zeroes != "q":
+            return None
+        near = table[inputs.kid_tokens]  # (B, I, K, 2 + k): x, then its k + 1 nearest latents
+        counted = near[..., : self.k + 1].unbind(2)  # K x (B, I, 1 + k): x and the k nearest it may pool
+        zapped = draws.scatter(3, near[..., 1:], 0.0).unbind(2)  # K x (B, I, V): q_c without x's nearest latents
+        residual = inputs.probs  # (B, I, V), unnormalised after the first slot
+        cumulatives, alloweds, totals = [], [], []
+        for c, q_c in enumerate(draws.unbind(2)):
+            total = residual.sum(-1, keepdim=True)  # (B, I, 1)
+            cumulative = residual.gather(2, counted[c]).cumsum(-1)  # (B, I, 1 + k) total x (p_c(x), + the nearest, ..)
+            # the pooled prefix sum stays <= delta (LANTERN) or <= (lam - 1) p(x) (LANTERN++), scaled by the total
+            x_mass = cumulative[..., :1]
+            allowed = cumulative <= (x_mass + self.delta * total if self.lam is None else self.lam * x_mass)
+            residual = chain_step(residual, torch.where(allowed[..., 1:2], zapped[c], q_c), total)
+            cumulatives.append(cumulative)
+            alloweds.append(allowed)
+            totals.append(total)
+        pooled = (torch.stack(cumulatives, 2) * torch.stack(alloweds, 2)).amax(-1)  # (B, I, K) unnormalised
+        relaxed = pooled / torch.cat(totals, -1).clamp_min(1e-30)  # 0 past an all-zero residual (`sampled_slots`)
+        return relaxed / q_x, normalise_or_uniform(residual)
+
 
 @functools.lru_cache(maxsize=4)
 def _with_self(neighbours: Tensor, width: int, device: torch.device) -> Tensor:
@@ -170,6 +202,32 @@ class GSDBlocksRule:
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return (slot.p * self._cluster(slot)).sum(-1)
+
+    def sampled_chain(self, inputs: TreeInputs, state: Any, draws: Tensor, q_x: Tensor) -> tuple[Tensor, Tensor]:
+        """Every slot of sampled drafts: the chain of residual targets first (each rejection zeroes x's rank block of
+        p_c, then relu(p_c - q_c), renormalised: zeroing the block can leave nothing, and then the next slot sees the
+        uniform fallback, as in the slot loop), then p(C) / q(C) of every slot at once. Untested slots come after the
+        tested ones: the residual is read off the chain after the last tested slot, not kept by a product a slot.
+        draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) unused (q(C) replaces it) -> a0
+        (B, I, K), residual (B, I, V)."""
+        tokens = inputs.kid_tokens[..., None].unbind(2)  # K x (B, I, 1)
+        p = inputs.probs  # (B, I, V) p_0, normalised
+        targets, clusters = [p], []
+        for c, q_c in enumerate(draws.unbind(2)):
+            if c:
+                p = normalise_or_uniform(p)
+                targets.append(p)
+            block = _descending_ranks(p)[1] // self.group  # (B, I, V)
+            cluster = block == block.gather(2, tokens[c])  # (B, I, V) x's rank block
+            clusters.append(cluster)
+            p = torch.sub(p.masked_fill(cluster, 0.0), q_c).relu_()
+        targets.append(normalise_or_uniform(p))
+        chain = torch.stack(targets, 2)  # (B, I, K + 1, V): p_0 .. p_K
+        cluster_all = torch.stack(clusters, 2)  # (B, I, K, V)
+        mass = (chain[:, :, :-1] * cluster_all).sum(-1)  # (B, I, K)
+        proposal = (draws * cluster_all).sum(-1)
+        last = inputs.usable.sum(-1)[..., None, None].expand(-1, -1, 1, p.shape[-1])  # (B, I, 1, V) tested slots
+        return mass / proposal.clamp_min(1e-30), chain.gather(2, last)[:, :, 0]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -129,3 +129,17 @@ def children_mass_above(inputs: TreeInputs) -> Tensor:
     rows = inputs.tables.rows[:, None]
     at_parent = inputs.probs[rows, inputs.parent_row()]  # (B, N, V); the root reads row 0, a don't-care
     return inputs.at_children(mass_above(at_parent, inputs.tree.tokens[..., None])[..., 0])
+
+
+def normalise_or_uniform(p: Tensor) -> Tensor:
+    """Renormalise (..., V); an all-zero residual falls back to uniform over the (image) vocabulary (§8)."""
+    # 0 / 0 = NaN marks exactly the all-zero rows (p is finite and >= 0); elementwise, a quarter of the
+    # time of a `where` that broadcasts a per-row condition over V on this CPU
+    return (p / p.sum(-1, keepdim=True)).nan_to_num_(nan=1.0 / p.shape[-1])
+
+
+def chain_step(residual: Tensor, q_draw: Tensor, total: Tensor) -> Tensor:
+    """One rejection of a sampled child, on the residual kept unnormalised: r (B, I, V) with total = sum(r) (B, I, 1)
+    and the draw's q_c (B, I, V) -> relu(r - total q_c) = total relu(p_c - q_c), p_c = r / total (in place on a new
+    tensor: two ops). q_c = 0 (an untested slot) leaves r as it is."""
+    return torch.addcmul(residual, q_draw, total, value=-1.0).relu_()

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs
+from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs, chain_step, normalise_or_uniform
 from inference.rules import (
     RULES,
     CascadeRule,
@@ -141,13 +141,6 @@ def sample_inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def normalise_or_uniform(p: Tensor) -> Tensor:
-    """Renormalise (..., V); an all-zero residual falls back to uniform over the (image) vocabulary (§8)."""
-    # 0 / 0 = NaN marks exactly the all-zero rows (p is finite and >= 0); elementwise, a quarter of the
-    # time of a `where` that broadcasts a per-row condition over V on this CPU
-    return (p / p.sum(-1, keepdim=True)).nan_to_num_(nan=1.0 / p.shape[-1])
-
-
 def prepare_tree(tree: Tree, view: TargetView, max_accept: Tensor | None) -> TreeInputs:
     """Children in test order and which slots are tested: (B, I, K) tables over the nodes the view covers."""
     if view.nodes is not None and (view.node_row is None or view.at_leaf is None):
@@ -235,6 +228,11 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
             all_slots, residual = sampled_slots(inputs, draws, q_x)
             a0, want = sampled_at_once(inputs, state, all_slots)
             return a0.clamp_max(1.0), want, residual
+        own_chain = getattr(rule, "sampled_chain", None)  # a rule that changes the residual runs its own chain
+        chained = None if own_chain is None else own_chain(inputs, state, draws, q_x)
+        if chained is not None:
+            a0, residual = chained
+            return a0.clamp_max(1.0), None, residual
         q_kids, q_draws = q_x.unbind(-1), draws.unbind(2)
     tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
     kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1), to gather with
@@ -290,7 +288,7 @@ def sampled_slots(inputs: TreeInputs, draws: Tensor, q_x: Tensor) -> tuple[SlotI
         total = residual.sum(-1, keepdim=True)  # (B, I, 1)
         kept.append(residual)
         totals.append(total)
-        residual = torch.addcmul(residual, q_c, total, value=-1.0).relu_()
+        residual = chain_step(residual, q_c, total)
     p = torch.stack(kept, 2) / torch.stack(totals, 2).clamp_min(1e-30)  # (B, I, K, V); 0 past an all-zero residual
     tokens = inputs.kid_tokens  # (B, I, K)
     return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws), normalise_or_uniform(residual)

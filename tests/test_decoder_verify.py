@@ -187,17 +187,22 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
 
 def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     """Exact, CASCADE, the CASCADE dev rule and GSD keep the exact residual, so on sampled drafts the chain of
-    residuals is built first and every slot is tested at once (`acceptance_sampled`): each slot's acceptance, the
+    residuals is built first and every slot is tested at once (`acceptance_sampled`); LANTERN (the authors'
+    LlamaGen setting) and GSD-blocks run their own unnormalised chain (`sampled_chain`). Each slot's acceptance, the
     budgeted rule's want and the residual after all children must be the slot loop's, on a wide tree (six children
     under the root), with top-6 targets whose zeros the drafts often hit, and with image-end limits that leave
     slots untested."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
-    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled")]
+    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled") or hasattr(r, "sampled_chain")]
     rules += [CascadeDevRule(nucleus=m, sim_threshold=0.1, pair_threshold=0.2) for m in (0.3, 0.7)]
     rules += [GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=100.0) for w in (3, 20)]
-    assert {type(r) for r in rules} == {ExactRule, CascadeRule, CascadeDevRule, GSDRule}
+    rules += [GSDBlocksRule(group=g) for g in (1, 5)]
+    neighbours = build_latent_neighbours(torch.randn(vocab, 4, generator=torch.Generator().manual_seed(4)), vocab - 1)
+    rules += [LanternRule(neighbours=neighbours, k=k, delta=d) for k, d in ((2, 0.05), (6, 0.5))]
+    rules += [LanternRule(neighbours=neighbours, k=k, lam=lam) for k, lam in ((2, 1.5), (5, 4.0))]
+    assert {type(r) for r in rules} == {ExactRule, CascadeRule, CascadeDevRule, GSDRule, GSDBlocksRule, LanternRule}
     for paths, seed, top in itertools.product((SMALL_TREE, wide), range(4), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=True, seed=seed)
         if top is not None:
