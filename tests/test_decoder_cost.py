@@ -86,9 +86,9 @@ def test_the_counter_tells_views_from_computing_ops():
 
 # Ceilings on aten ops per step on this tiny target, about 10 % above what was measured (in brackets), after the
 # one uncounted decode per tree that `count_decode_ops` makes (a static tree's tables and the drafter's fused
-# weights are built once, not every step): drafting [static 368, static-chain 465, dynamic 376, dynamic-sampled
-# 386], verification by exact [146, 98, 115, 169], by LANTERN, LANTERN++ and GSD-blocks [194-215, 122-132, 172-173,
-# 216-237] and by the other rules [255-268, 152-193, 184-237, 277-323], view [9-11], commit [64]. The target's own
+# weights are built once, not every step): drafting [static 368, static-chain 465, dynamic 370, dynamic-sampled
+# 375], verification by exact [127, 94, 102, 138], by LANTERN, LANTERN++ and GSD-blocks [162-177, 114-122, 159-160,
+# 172-187] and by the other rules [155-204, 122-171, 171-223, 165-247], view [9-11], commit [64]. The target's own
 # forward [391-392, 430] is the model's code, not the decoder's.
 # Static-tree verification costs about 25 ops more since the target view covers only the nodes with children
 # (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a walk that ends
@@ -96,18 +96,20 @@ def test_the_counter_tells_views_from_computing_ops():
 # V-wide verification table, on 11 rows instead of 26. The chain (`toy_demo_fit_8`) makes seven drafter calls
 # a step where `mc_sim_7b_63` makes five. The dynamic tree's deterministic drafts are verified by exact and
 # cascade (and the CASCADE dev rule and GSD) without a loop over child slots (`removal_slots`), and its paths are
-# read off the ancestor mask; LANTERN, LANTERN++ and GSD-blocks loop over the slots, and their ceiling is their own.
-# A static tree's verification index tables are built once per shape (`WalkTables`, CASCADE's included), its drafter
-# mask, rotary tables and race draws once per tree; a dynamic tree's level masks grow by one index and one
-# concatenation a level (`FrontierMasks`). On CPU the drafter's norms take three ops each (`_unit_rms`). Drafted
-# trees have distinct siblings, so verification skips the duplicate test. Sampled drafts carry no draw
-# probabilities: verification derives them, and the normaliser of each slot's q, from q at the parent in a dozen
-# ops (`draw_probabilities`), where each level of the drafter paid eight.
-DRAFT_CEILING = {"static": 405, "static-chain": 512, "dynamic": 414, "dynamic-sampled": 425}
-EXACT_VERIFY_CEILING = {"static": 161, "static-chain": 108, "dynamic": 127, "dynamic-sampled": 186}
-SLOT_LOOP_RULES = ("lantern", "lantern++", "gsd-blocks")
-SLOT_LOOP_VERIFY_CEILING = {"static": 237, "static-chain": 145, "dynamic": 190, "dynamic-sampled": 261}
-VERIFY_CEILING = {"static": 295, "static-chain": 212, "dynamic": 261, "dynamic-sampled": 355}
+# read off the ancestor mask; LANTERN, LANTERN++ and GSD-blocks change the residual, so they loop over the slots
+# there, and on sampled trees run their own residual chain (`sampled_chain`); their ceiling is their own. On
+# sampled trees the other rules test every slot at once after the exact chain of residuals (`sampled_slots`,
+# three ops a slot). A static tree's verification index tables are built once per shape (`WalkTables`, CASCADE's
+# included), its drafter mask, rotary tables and race draws once per tree; a dynamic tree's level masks grow by
+# one index and one concatenation a level (`FrontierMasks`), and a drafter that reads them gets no tree_mask. On
+# CPU the drafter's norms take three ops each (`_unit_rms`). Drafted trees have distinct siblings, so verification
+# skips the duplicate test. Sampled drafts carry no draw probabilities: verification derives them, and every
+# slot's q_c, from q at the parent (`draw_probabilities`, `draw_distributions`).
+DRAFT_CEILING = {"static": 405, "static-chain": 512, "dynamic": 407, "dynamic-sampled": 413}
+EXACT_VERIFY_CEILING = {"static": 140, "static-chain": 104, "dynamic": 112, "dynamic-sampled": 152}
+OWN_RESIDUAL_RULES = ("lantern", "lantern++", "gsd-blocks")
+OWN_RESIDUAL_VERIFY_CEILING = {"static": 195, "static-chain": 134, "dynamic": 176, "dynamic-sampled": 206}
+VERIFY_CEILING = {"static": 225, "static-chain": 188, "dynamic": 245, "dynamic-sampled": 272}
 
 
 def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
@@ -116,8 +118,8 @@ def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
         assert ops["draft"] <= DRAFT_CEILING[tree], row
         if row["rule"] == "exact":
             ceiling = EXACT_VERIFY_CEILING[tree]
-        elif row["rule"] in SLOT_LOOP_RULES:
-            ceiling = SLOT_LOOP_VERIFY_CEILING[tree]
+        elif row["rule"] in OWN_RESIDUAL_RULES:
+            ceiling = OWN_RESIDUAL_VERIFY_CEILING[tree]
         else:
             ceiling = VERIFY_CEILING[tree]
         assert ops["verify"] <= ceiling, row
@@ -173,9 +175,8 @@ def test_verification_cost_does_not_grow_with_tree_depth(decoder):
 
 def test_on_the_toy_target_a_step_costs_no_more_ops_than_its_tree_forward():
     """The decode-cost issue's bar on the toy target itself: drafting + view + verification + commit take no
-    more aten ops than the target's forward over the tree, for every rule on both static trees and the dynamic
-    tree, and for exact on the sampled dynamic tree. The other rules on the sampled dynamic tree test a node's
-    ten child slots one after another and stay above it (README): they are held to 1.35x here.
+    more aten ops than the target's forward over the tree, for every rule on both static trees, the dynamic tree
+    and the sampled dynamic tree, with at most one host sync a step.
 
     The toy runs its shipped weights and a drafter of the demo's preset with random weights: no step's op count
     depends on the weights (the trees have fixed shapes; only the image end's limit, in a row's last steps,
@@ -196,5 +197,4 @@ def test_on_the_toy_target_a_step_costs_no_more_ops_than_its_tree_forward():
     print(format_op_table(rows))
     assert len(rows) == len(names) * len(trees)
     for row in rows:
-        at_most = 1.35 if row["tree"] == "dynamic-sampled" and row["rule"] != "exact" else 1.0
-        assert row["syncs_per_step"] <= 1.0 and row["overhead_ops_per_target_op"] <= at_most, row
+        assert row["syncs_per_step"] <= 1.0 and row["overhead_ops_per_target_op"] <= 1.0, row
