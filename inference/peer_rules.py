@@ -289,7 +289,7 @@ class GSDRule:
         """`test_slot`'s a0 for every slot of sampled drafts at once (`slots` with a K axis; the residual is the exact
         one): one sort of the (B, I, K, V) residual targets instead of one per slot. -> (B, I, K), None."""
         mass, proposal = self._cluster_mass(state, slots)
-        return mass / proposal.clamp_min(1e-30) if proposal is not None else mass, None
+        return (mass / proposal.clamp_min(1e-30) if proposal is not None else mass).clamp_max(1.0), None
 
     def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, None]:
         """`test_slot`'s a0 for every slot of deterministic drafts (q(C) = 1; the residual only removes x), from one

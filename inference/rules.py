@@ -84,9 +84,14 @@ class ExactRule:
         """`test_slot`'s a0 for every slot of deterministic drafts (q(x) = 1): p_c(x), (B, I, K)."""
         return slots.p_x.clamp_max(1.0), None
 
+    def sampled_reads(self, inputs: TreeInputs, state: Any) -> Tensor:
+        """The tokens whose p_c `acceptance_sampled` reads on sampled drafts: x, (B, I, K, 1)."""
+        return inputs.kid_tokens[..., None]
+
     def acceptance_sampled(self, inputs: TreeInputs, state: Any, slots: SlotInputs) -> tuple[Tensor, Tensor | None]:
-        """`test_slot`'s a0 for every slot of sampled drafts (`slots` with a K axis): p_c(x) / q_c(x), (B, I, K)."""
-        return slots.p_x / slots.q_x, None
+        """`test_slot`'s a0 for every slot of sampled drafts (`slots` with a K axis, p_c read at x):
+        min(1, p_c(x) / q_c(x)), (B, I, K)."""
+        return (slots.p[..., 0] / slots.q_x).clamp_max(1.0), None
 
 
 @dataclass
@@ -193,23 +198,33 @@ class CascadeRule:
         return SlotTest(a0, want, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
     def _relaxed(self, state: CascadeSets, slot: SlotInputs) -> tuple[Tensor, Tensor]:
-        """a0 and the charge wanted on top, (B, I) each (every slot's, (B, I, K), for `slot` with a K axis)."""
-        a0 = exact_acceptance(slot)
-        if slot.slot is None:  # every slot at once
-            candidates, pooled, eligible = state.candidates, state.pooled, state.eligible
+        """a0 (at most 1) and the charge wanted on top, (B, I) each (every slot's, (B, I, K), for `slot` with a K
+        axis)."""
+        if slot.slot is None:  # every slot at once, p_c read at the candidates (`sampled_reads`), (B, I, K, C)
+            p_candidates, pooled, eligible = slot.p, state.pooled, state.eligible
+            # the first K candidates are a slot's siblings in slot order, itself included: slot c's x is column c
+            p_x = p_candidates[..., : pooled.shape[-2]].diagonal(dim1=-2, dim2=-1)  # (B, I, K)
         else:
             candidates, pooled, eligible = state.per_slot[slot.slot]  # (B, I, C) twice, (B, I)
-        extra = (slot.p.gather(-1, candidates) * pooled).sum(-1)  # (B, I)
+            p_candidates, p_x = slot.p.gather(-1, candidates), slot.p_x
+        a0 = (p_x / slot.q_x).clamp_max(1.0)
+        extra = (p_candidates * pooled).sum(-1)  # (B, I); pooled is never x itself
         if self.pool_beyond_tree:  # beyond the tree: all other mass
             converged = state.converged if slot.slot is None else state.converged[:, :, slot.slot]
-            extra = torch.where(converged, 1.0 - slot.p_x, extra)
-        relaxed = ((slot.p_x + extra) / slot.q_x).clamp_max(1.0)
+            extra = torch.where(converged, 1.0 - p_x, extra)
+        relaxed = ((p_x + extra) / slot.q_x).clamp_max(1.0)
         return a0, self._charge_wanted(relaxed, a0, eligible)
+
+    def sampled_reads(self, inputs: TreeInputs, state: CascadeSets) -> Tensor:
+        """The tokens whose p_c `acceptance_sampled` reads on sampled drafts: each slot's pooling candidates,
+        (B, I, K, C), whose first K are its siblings, itself included (x of slot c is column c)."""
+        return state.candidates
 
     def acceptance_sampled(
         self, inputs: TreeInputs, state: CascadeSets, slots: SlotInputs
     ) -> tuple[Tensor, Tensor | None]:
-        """`test_slot`'s a0 and want for every slot of sampled drafts at once (`slots` with a K axis), (B, I, K)."""
+        """`test_slot`'s a0 (at most 1) and want for every slot of sampled drafts at once (`slots` with a K axis,
+        p_c read at the candidates), (B, I, K)."""
         return self._relaxed(state, slots)
 
     def greedy_mass(self, inputs: TreeInputs, state: CascadeSets, slot: SlotInputs) -> Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from inference.compiled import decoding_mode
 from inference.drafter import DraftContext, Drafter, to_rows
 from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import StaticTreeSpec, Tree, load_static_tree, select, tree_positions
+from inference.tree import StaticTreeSpec, Tree, load_static_tree, node_range, select, tree_positions
 from inference.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -298,6 +299,13 @@ def _draft(
     return tree
 
 
+@functools.lru_cache(maxsize=8)
+def _past_the_path(batch: int, device: torch.device) -> Tensor:
+    """(batch, 1) int64 -1: the padding after a path's last node (the commit reads one node past it); a shared
+    constant, never written to."""
+    return torch.full((batch, 1), -1, dtype=torch.long, device=device)
+
+
 def _commit(
     tree: Tree,
     verdict_last: Tensor,
@@ -315,9 +323,8 @@ def _commit(
     """Step 5: keep the accepted path's target KV entries; return the pairs the drafter reads next.
     offsets: arange(width), width = the longest accepted path plus one (the commit width, read on the host)."""
     batch, width = tree.tokens.shape[0], offsets.shape[0]
-    rows = torch.arange(batch, device=bonus.device)
-    pad = torch.full((batch, 1), -1, dtype=torch.long, device=bonus.device)
-    path = torch.cat([tree.paths[rows, verdict_last], pad], dim=1)[:, : width + 1]  # (B, width + 1)
+    rows = node_range(batch, bonus.device)
+    path = torch.cat([tree.paths[rows, verdict_last], _past_the_path(batch, bonus.device)], dim=1)[:, : width + 1]
     nodes = path.clamp_min(0)  # (B, width + 1) the path's nodes, padding at the root
     keep = (path[:, :width] >= 0) & live[:, None]  # a finished image's root would otherwise stay valid, fill the cache
     cache.keep_columns(tree_start, to_rows(tree_start + nodes[:, :width], cfg), to_rows(keep, cfg))
@@ -412,7 +419,7 @@ def generate_speculative(
             verdict = verifier(tree, view, rule, Uniforms.draw(tree, generator), max_accept, greedy)  # step 4
         hooks.on_verify(tree, view, verdict)
         with hooks.phase("commit"):
-            num_accepted = torch.where(live, verdict.num_accepted, 0)
+            num_accepted = verdict.num_accepted * live  # finished rows accept nothing
             # Host sync, once per step: the commit width and whether every image is complete, packed in one read.
             new_count = count + num_accepted + 1  # finished rows: count + 1, past the end
             least_count, most_count = new_count.aminmax()
@@ -424,7 +431,7 @@ def generate_speculative(
                 verdict.last_node,
                 num_accepted,
                 verdict.next_token,
-                offsets := torch.arange(width, device=count.device),
+                offsets := node_range(width, count.device),
                 target_cache,
                 tree_start,
                 target_features(out, drafter),

@@ -225,9 +225,9 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         q_x = inputs.kid_q.masked_fill(~usable, 1.0)  # (B, I, K); 1 where untested, so rules divide unguarded
         sampled_at_once = getattr(rule, "acceptance_sampled", None)
         if sampled_at_once is not None:  # the exact residual: the chain of residuals first, then every test at once
-            all_slots, residual = sampled_slots(inputs, draws, q_x)
-            a0, want = sampled_at_once(inputs, state, all_slots)
-            return a0.clamp_max(1.0), want, residual
+            reads = getattr(rule, "sampled_reads", None)
+            all_slots, residual = sampled_slots(inputs, draws, q_x, None if reads is None else reads(inputs, state))
+            return *sampled_at_once(inputs, state, all_slots), residual  # a0 <= 1 already
         own_chain = getattr(rule, "sampled_chain", None)  # a rule that changes the residual runs its own chain
         chained = None if own_chain is None else own_chain(inputs, state, draws, q_x)
         if chained is not None:
@@ -264,7 +264,7 @@ def draw_distributions(inputs: TreeInputs) -> Tensor:
     removed = q.gather(2, tokens)[:, :, None, :] * _minus_earlier(width, q.device)  # (B, I, K, K) [c, c']: c' < c
     copies = q[:, :, None, :].expand(-1, -1, width, -1)  # (B, I, K, V)
     draws = copies.scatter_add(3, tokens[:, :, None, :].expand(-1, -1, width, -1), removed)
-    return draws * (inputs.usable / inputs.q_mass_left)[..., None]
+    return draws.mul_((inputs.usable / inputs.q_mass_left)[..., None])  # in place: the copy is new
 
 
 @functools.lru_cache(maxsize=8)
@@ -273,9 +273,13 @@ def _minus_earlier(width: int, device: torch.device) -> Tensor:
     return -strictly_lower(width, device).float()
 
 
-def sampled_slots(inputs: TreeInputs, draws: Tensor, q_x: Tensor) -> tuple[SlotInputs, Tensor]:
+def sampled_slots(
+    inputs: TreeInputs, draws: Tensor, q_x: Tensor, reads: Tensor | None = None
+) -> tuple[SlotInputs, Tensor]:
     """Sampled drafts under a rule whose rejection leaves the exact residual: every slot's residual target p_c at
-    once, (B, I, K, V), as `SlotInputs` with a K axis, and the residual after every child, (B, I, V).
+    once, as `SlotInputs` with a K axis, and the residual after every child, (B, I, V). p_c is (B, I, K, V), or,
+    for a rule that reads it at a few tokens only (`reads` (B, I, K, T), among them x), (B, I, K, T) gathered as
+    the chain runs: no (B, I, K, V) stack (on a CPU its copy and division cost more than the chain).
 
     p_{c+1} = norm(relu(p_c - q_c)) is kept unnormalised, r_{c+1} = relu(r_c - sum(r_c) q_c) (then p_c = r_c /
     sum(r_c)): three ops a slot, no per-slot normalising. An untested slot has q_c = 0 and leaves r as it is. A
@@ -283,15 +287,26 @@ def sampled_slots(inputs: TreeInputs, draws: Tensor, q_x: Tensor) -> tuple[SlotI
     later slots see p_c = 0 and accept nothing, and the correction falls back to uniform (`normalise_or_uniform`).
     """
     residual = inputs.probs  # (B, I, V), normalised
+    tokens = inputs.kid_tokens  # (B, I, K)
+    at = None if reads is None else reads.unbind(2)  # K x (B, I, T)
     kept, totals = [], []
-    for q_c in draws.unbind(2):  # (B, I, V) each
-        total = residual.sum(-1, keepdim=True)  # (B, I, 1)
-        kept.append(residual)
+    for c, q_c in enumerate(draws.unbind(2)):  # (B, I, V) each
+        # the first slot sees the target as it is (total 1, as in the slot loop), the later ones r_c / sum(r_c)
+        total = _ones(tuple(tokens.shape[:2]), residual.device) if c == 0 else residual.sum(-1, keepdim=True)
+        kept.append(residual if at is None else residual.gather(2, at[c]))
         totals.append(total)
         residual = chain_step(residual, q_c, total)
-    p = torch.stack(kept, 2) / torch.stack(totals, 2).clamp_min(1e-30)  # (B, I, K, V); 0 past an all-zero residual
-    tokens = inputs.kid_tokens  # (B, I, K)
-    return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws), normalise_or_uniform(residual)
+    p = torch.stack(kept, 2) / torch.stack(totals, 2).clamp_min(1e-30)  # (B, I, K, V or T); 0 past an all-zero residual
+    # with reads the rule knows where x sits among them: x_column (an index over V) is not for its p
+    return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws if reads is None else None), normalise_or_uniform(
+        residual
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """(*shape, 1) float ones; a shared constant, never written to."""
+    return torch.ones(*shape, 1, device=device)
 
 
 def removal_slots(inputs: TreeInputs) -> tuple[RemovalSlots, Tensor]:
