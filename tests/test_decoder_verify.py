@@ -152,6 +152,26 @@ class SlotLoopOnly:
         return self.rule.test_slot(inputs, state, slot)
 
 
+def keep_top(view: TargetView, top: int) -> None:
+    """Make the view's target a top-`top` distribution (zeros elsewhere), in place."""
+    kept = view.probs >= view.probs.topk(top, dim=-1).values[..., -1:]
+    view.probs = (view.probs * kept) / (view.probs * kept).sum(-1, keepdim=True)
+
+
+def closed_forms_match_the_slot_loop(rules: list, inputs) -> int:
+    """Assert that each rule's acceptances on the tested slots, its want and the residual after all children equal
+    the slot loop's (`SlotLoopOnly`); returns how many rules were compared."""
+    for rule in rules:
+        a0, want, residual = slot_tables(rule, inputs)
+        loop_a0, loop_want, loop_residual = slot_tables(SlotLoopOnly(rule), inputs)
+        tested = inputs.usable  # `verify` reads a0 and want only there
+        torch.testing.assert_close(a0 * tested, loop_a0 * tested, msg=lambda m, r=rule: f"{r}: {m}")
+        torch.testing.assert_close(residual, loop_residual)
+        if want is not None:
+            torch.testing.assert_close(want * tested, loop_want * tested)
+    return len(rules)
+
+
 def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers():
     """Exact, CASCADE, the CASCADE dev rule and GSD test every slot of deterministic drafts at once (their residual
     only removes x): each slot's acceptance and the residual after all children must be the loop's, on trees whose
@@ -170,18 +190,9 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
     for paths, seed, top in itertools.product((SMALL_TREE, wide), range(6), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
         if top is not None:  # a top-k target: mass on 6 tokens, the drafts (q's top tokens) often outside them
-            kept = view.probs >= view.probs.topk(top, dim=-1).values[..., -1:]
-            view.probs = (view.probs * kept) / (view.probs * kept).sum(-1, keepdim=True)
+            keep_top(view, top)
         inputs = prepare_tree(tree, view, None)
-        for rule in rules:
-            a0, want, residual = slot_tables(rule, inputs)
-            loop_a0, loop_want, loop_residual = slot_tables(SlotLoopOnly(rule), inputs)
-            tested = inputs.usable  # `verify` reads a0 and want only there
-            torch.testing.assert_close(a0 * tested, loop_a0 * tested, msg=lambda m, r=rule: f"{r}: {m}")
-            torch.testing.assert_close(residual, loop_residual)
-            if want is not None:
-                torch.testing.assert_close(want * tested, loop_want * tested)
-            compared += 1
+        compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 6 * 2 * len(rules)
 
 
@@ -206,19 +217,10 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     for paths, seed, top in itertools.product((SMALL_TREE, wide), range(4), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=True, seed=seed)
         if top is not None:
-            kept = view.probs >= view.probs.topk(top, dim=-1).values[..., -1:]
-            view.probs = (view.probs * kept) / (view.probs * kept).sum(-1, keepdim=True)
+            keep_top(view, top)
         inputs = prepare_tree(tree, view, torch.tensor([3, 2, 1, 0, 3, 2, 1, 3]))
         assert (inputs.tables.has_child & ~inputs.usable).any()  # some drafted slots are past the limit
-        for rule in rules:
-            a0, want, residual = slot_tables(rule, inputs)
-            loop_a0, loop_want, loop_residual = slot_tables(SlotLoopOnly(rule), inputs)
-            tested = inputs.usable  # `verify` reads a0 and want only there
-            torch.testing.assert_close(a0 * tested, loop_a0 * tested, msg=lambda m, r=rule: f"{r}: {m}")
-            torch.testing.assert_close(residual, loop_residual)
-            if want is not None:
-                torch.testing.assert_close(want * tested, loop_want * tested)
-            compared += 1
+        compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 4 * 2 * len(rules)
 
 
