@@ -115,28 +115,30 @@ class LanternRule:
     ) -> tuple[Tensor, Tensor] | None:
         """Every slot of sampled drafts, the authors' LlamaGen/Anole rule (`reject_zeroes="code"`, `static_zeroes="q"`;
         None for the other settings, which the slot loop tests): a rejection removes q_c at x's k + 1 nearest latents
-        if the nearest was pooled, then relu(p_c - q_c). The residual is kept unnormalised (`chain_step`), the
-        zapped q_c of every slot is one scatter, and a slot costs the prefix sums over x and its nearest, the bound
-        and the choice of q_c (eight ops); the acceptances come at once after the chain.
+        if the nearest was pooled, then relu(p_c - q_c). The residual is kept unnormalised (`chain_step`); a slot
+        costs the prefix sums over x and its nearest, the bound, and q_c with its latents' entries rewritten (zero
+        where zapped), ten ops on (B, I, V) or smaller; the acceptances come at once after the chain.
         draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) -> a0 (B, I, K), residual (B, I, V)."""
         if self.reject_zeroes != "code" or self.static_zeroes != "q":
             return None
         near = table[inputs.kid_tokens]  # (B, I, K, 2 + k): x, then its k + 1 nearest latents
         counted = near[..., : self.k + 1].unbind(2)  # K x (B, I, 1 + k): x and the k nearest it may pool
-        zapped = draws.scatter(3, near[..., 1:], 0.0).unbind(2)  # K x (B, I, V): q_c without x's nearest latents
+        latents = near[..., 1:].unbind(2)  # K x (B, I, k + 1): what a rejection zaps
         residual = inputs.probs  # (B, I, V), unnormalised after the first slot
-        cumulatives, alloweds, totals = [], [], []
+        cumulatives, over, totals = [], [], []
         for c, q_c in enumerate(draws.unbind(2)):
             total = residual.sum(-1, keepdim=True)  # (B, I, 1)
             cumulative = residual.gather(2, counted[c]).cumsum(-1)  # (B, I, 1 + k) total x (p_c(x), + the nearest, ..)
             # the pooled prefix sum stays <= delta (LANTERN) or <= (lam - 1) p(x) (LANTERN++), scaled by the total
             x_mass = cumulative[..., :1]
-            allowed = cumulative <= (x_mass + self.delta * total if self.lam is None else self.lam * x_mass)
-            residual = chain_step(residual, torch.where(allowed[..., 1:2], zapped[c], q_c), total)
+            beyond = cumulative > (x_mass + self.delta * total if self.lam is None else self.lam * x_mass)
+            # q_c at the latents, zeroed if the nearest was pooled: a (B, I, k + 1) scatter, not a (B, I, V) select
+            kept_q = q_c.gather(2, latents[c]) * beyond[..., 1:2]
+            residual = chain_step(residual, q_c.scatter(2, latents[c], kept_q), total)
             cumulatives.append(cumulative)
-            alloweds.append(allowed)
+            over.append(beyond)
             totals.append(total)
-        pooled = (torch.stack(cumulatives, 2) * torch.stack(alloweds, 2)).amax(-1)  # (B, I, K) unnormalised
+        pooled = (torch.stack(cumulatives, 2) * ~torch.stack(over, 2)).amax(-1)  # (B, I, K) unnormalised
         relaxed = pooled / torch.cat(totals, -1).clamp_min(1e-30)  # 0 past an all-zero residual (`sampled_slots`)
         return relaxed / q_x, normalise_or_uniform(residual)
 
