@@ -13,8 +13,10 @@ probabilities of all nodes are computed at once, in a loop over the K child slot
 itself is a few gathers along the tree's root-to-node paths. For deterministic drafts under a rule
 whose rejection only removes x (`exact`, `cascade`, `cascade-dev`), not even that loop: the c-th test
 sees the target with the earlier children's tokens removed, renormalised, which `removal_slots` writes
-for every slot at once. The aten op count per step is independent of tree depth and size, and there
-is no host-device sync. Only parents need the
+for every slot at once. For sampled drafts the loop runs only the chain of residuals, kept unnormalised
+(three ops a slot, `sampled_slots`), and the rule tests every slot at once after it (`acceptance_sampled`); a
+rule that changes the residual runs its own chain (`sampled_chain`). The aten op count per step is independent
+of tree depth and size, and there is no host-device sync. Only parents need the
 target's distribution: on a static tree the view covers its inner nodes (`TargetView.nodes`), every
 V-wide table has one row per inner node, and a walk that ends at a leaf reads the target there
 through `TargetView.at_leaf`.
