@@ -23,8 +23,8 @@ class SlotInputs:
     """What a rule sees when the c-th child of every node is tested (`slot` = c; the shapes below), or, for a rule's
     closed form on sampled drafts (`acceptance_sampled`), every child slot at once (`slot` None: each tensor has a
     K axis after I, e.g. p (B, I, K, V), q_x (B, I, K)). Rules index the vocabulary as dim -1 to serve both. A rule
-    that names the tokens it reads (`sampled_reads`, x first) gets p (B, I, K, T) at those tokens only, x_column
-    0 and no q_draw."""
+    that names the tokens it reads (`sampled_reads`) gets p (B, I, K, T) at those tokens only, in its own order
+    (it knows where x sits among them: x_column, an index over V, is not for that p), and no q_draw."""
 
     slot: int | None
     p: Tensor  # (B, I, V) current residual target at every parent node (normalised)

@@ -5,8 +5,7 @@ step's packed read of the commit width) for every rule and tree kind; a ceiling 
 each phase (drafting, verification, view, commit) per tree kind; a verification whose op count
 does not grow with the depth of the tree (it loops over child slots, never over levels or nodes);
 and, on the toy target itself, a step whose drafting, view, verification and commit take no more ops
-than the target's forward over the tree (every rule on the static and dynamic trees, exact on the
-sampled dynamic tree).
+than the target's forward over the tree (every rule on every tree kind).
 """
 
 from __future__ import annotations
