@@ -387,8 +387,13 @@ class CascadeDevRule:
         return self._acceptance(inputs, state, slots), None
 
     def _acceptance(self, inputs: TreeInputs, state: CascadeDevState, slot: SlotInputs) -> Tensor:
-        """a0 (B, I), or (B, I, K) for `slot` with a K axis."""
-        if slot.slot is None:  # every slot at once: each slot's pairs with its siblings, (B, I, K, K)
+        """a0 (B, I), or (B, I, K) for `slot` with a K axis, or (B, J) for packed slots."""
+        if slot.packed is not None:  # the tested slots only (`SlotInputs.packed`): (B, J), (B, J, K)
+            width = inputs.kid_tokens.shape[-1]
+            convergence = state.convergence.flatten(1).gather(1, slot.packed)
+            pairs = state.pairs.flatten(1, 2).gather(1, slot.packed[..., None].expand(-1, -1, width))
+            siblings = inputs.kid_tokens.gather(1, (slot.packed // width)[..., None].expand(-1, -1, width))
+        elif slot.slot is None:  # every slot at once: each slot's pairs with its siblings, (B, I, K, K)
             convergence, pairs = state.convergence, state.pairs
             siblings = inputs.kid_tokens[:, :, None, :].expand_as(pairs)
         else:

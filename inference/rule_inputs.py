@@ -24,7 +24,8 @@ class SlotInputs:
     closed form on sampled drafts (`acceptance_sampled`), every child slot at once (`slot` None: each tensor has a
     K axis after I, e.g. p (B, I, K, V), q_x (B, I, K)). Rules index the vocabulary as dim -1 to serve both. A rule
     that names the tokens it reads (`sampled_reads`) gets p (B, I, K, T) at those tokens only, in its own order
-    (it knows where x sits among them: x_column, an index over V, is not for that p), and no q_draw."""
+    (it knows where x sits among them: x_column, an index over V, is not for that p), and no q_draw. One that reads
+    p_c over the vocabulary gets, on a tree with mostly empty slots, only the tested ones (`packed`): (B, J, V)."""
 
     slot: int | None
     p: Tensor  # (B, I, V) current residual target at every parent node (normalised)
@@ -33,6 +34,8 @@ class SlotInputs:
     q_x: Tensor  # (B, I) probability with which x was proposed (1 for deterministic drafts); > 0 on usable
     # slots, 1 on the others (`verify` zeroes their acceptance), so rules divide by it unguarded
     q_draw: Tensor | None  # (B, I, V) normalised distribution x was drawn from (sampled trees), else None
+    packed: Tensor | None = None  # (B, J) with every slot at once on a sparse tree: the tested slots' positions
+    # i K + c in (B, I, K), and the tensors above hold those J slots only, (B, J, ...) (`verify.packed_slots`)
 
     @functools.cached_property
     def p_x(self) -> Tensor:
@@ -140,8 +143,11 @@ def normalise_or_uniform(p: Tensor) -> Tensor:
     return (p / p.sum(-1, keepdim=True)).nan_to_num_(nan=1.0 / p.shape[-1])
 
 
-def chain_step(residual: Tensor, q_draw: Tensor, total: Tensor) -> Tensor:
+def chain_step(residual: Tensor, q_draw: Tensor, total: Tensor, out: Tensor | None = None) -> Tensor:
     """One rejection of a sampled child, on the residual kept unnormalised: r (B, I, V) with total = sum(r) (B, I, 1)
     and the draw's q_c (B, I, V) -> relu(r - total q_c) = total relu(p_c - q_c), p_c = r / total (in place on a new
-    tensor: two ops). q_c = 0 (an untested slot) leaves r as it is."""
-    return torch.addcmul(residual, q_draw, total, value=-1.0).relu_()
+    tensor, or on `out`, a (B, I, V) view of a table of every slot's: two ops). q_c = 0 (an untested slot) leaves r
+    as it is."""
+    if out is None:
+        return torch.addcmul(residual, q_draw, total, value=-1.0).relu_()
+    return torch.addcmul(residual, q_draw, total, value=-1.0, out=out).relu_()

@@ -228,8 +228,16 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
         sampled_at_once = getattr(rule, "acceptance_sampled", None)
         if sampled_at_once is not None:  # the exact residual: the chain of residuals first, then every test at once
             reads = getattr(rule, "sampled_reads", None)
-            all_slots, residual = sampled_slots(inputs, draws, q_x, None if reads is None else reads(inputs, state))
-            return *sampled_at_once(inputs, state, all_slots), residual  # a0 <= 1 already
+            if reads is not None:  # p_c at a few tokens per slot
+                all_slots, residual = sampled_slots(inputs, draws, q_x, reads(inputs, state))
+                return *sampled_at_once(inputs, state, all_slots), residual  # a0 <= 1 already
+            # p_c over the vocabulary: only the tested slots, where most are empty
+            all_slots, residual = sampled_slots(inputs, draws, q_x, packed=packed_slots(inputs))
+            a0, want = sampled_at_once(inputs, state, all_slots)
+            if all_slots.packed is not None:  # the (B, J) answers back in their (B, I, K) places
+                a0 = unpack_slots(a0, all_slots.packed, usable)
+                want = None if want is None else unpack_slots(want, all_slots.packed, usable)
+            return a0, want, residual
         own_chain = getattr(rule, "sampled_chain", None)  # a rule that changes the residual runs its own chain
         chained = None if own_chain is None else own_chain(inputs, state, draws, q_x)
         if chained is not None:
@@ -276,12 +284,13 @@ def _minus_earlier(width: int, device: torch.device) -> Tensor:
 
 
 def sampled_slots(
-    inputs: TreeInputs, draws: Tensor, q_x: Tensor, reads: Tensor | None = None
+    inputs: TreeInputs, draws: Tensor, q_x: Tensor, reads: Tensor | None = None, packed: Tensor | None = None
 ) -> tuple[SlotInputs, Tensor]:
     """Sampled drafts under a rule whose rejection leaves the exact residual: every slot's residual target p_c at
     once, as `SlotInputs` with a K axis, and the residual after every child, (B, I, V). p_c is (B, I, K, V), or,
     for a rule that reads it at a few tokens only (`reads` (B, I, K, T), among them x), (B, I, K, T) gathered as
-    the chain runs: no (B, I, K, V) stack (on a CPU its copy and division cost more than the chain).
+    the chain runs: no (B, I, K, V) stack (on a CPU its copy and division cost more than the chain). With `packed`
+    (B, J) (`packed_slots`), only those slots: p_c and q_c (B, J, V), x and q_x (B, J).
 
     p_{c+1} = norm(relu(p_c - q_c)) is kept unnormalised, r_{c+1} = relu(r_c - sum(r_c) q_c) (then p_c = r_c /
     sum(r_c)): three ops a slot, no per-slot normalising. An untested slot has q_c = 0 and leaves r as it is. A
@@ -291,18 +300,52 @@ def sampled_slots(
     residual = inputs.probs  # (B, I, V), normalised
     tokens = inputs.kid_tokens  # (B, I, K)
     at = None if reads is None else reads.unbind(2)  # K x (B, I, T)
+    width = tokens.shape[-1]
     kept, totals = [], []
+    chain: Tensor | None = None  # (B, I, K, V) every r_c, written by the chain itself where p_c is read over V: no
+    if at is None:  # stack copies it afterwards
+        chain = residual.new_empty(*tokens.shape, residual.shape[-1])
+        kept = list(chain.unbind(2))
+        kept[0].copy_(residual)
     for c, q_c in enumerate(draws.unbind(2)):  # (B, I, V) each
         # the first slot sees the target as it is (total 1, as in the slot loop), the later ones r_c / sum(r_c)
         total = _ones(tuple(tokens.shape[:2]), residual.device) if c == 0 else residual.sum(-1, keepdim=True)
-        kept.append(residual if at is None else residual.gather(2, at[c]))
+        if at is not None:
+            kept.append(residual.gather(2, at[c]))
         totals.append(total)
-        residual = chain_step(residual, q_c, total)
-    p = torch.stack(kept, 2) / torch.stack(totals, 2).clamp_min(1e-30)  # (B, I, K, V or T); 0 past an all-zero residual
+        residual = chain_step(residual, q_c, total, None if at is not None or c + 1 == width else kept[c + 1])
+    after = normalise_or_uniform(residual)
+    if packed is not None and chain is not None:  # the tested slots' rows of the (B, I K, .) tables, divided alone
+        rows = packed[..., None]  # (B, J, 1)
+        vocab_rows = rows.expand(-1, -1, residual.shape[-1])  # (B, J, V)
+        p = chain.flatten(1, 2).gather(1, vocab_rows)  # (B, J, V)
+        p = p / torch.stack(totals, 2).flatten(1, 2).gather(1, rows).clamp_min(1e-30)
+        x = tokens.flatten(1).gather(1, packed)  # (B, J)
+        q_c = draws.flatten(1, 2).gather(1, vocab_rows)  # (B, J, V)
+        return SlotInputs(None, p, x, x[..., None], q_x.flatten(1).gather(1, packed), q_c, packed), after
+    stacked = torch.stack(kept, 2) if chain is None else chain  # (B, I, K, V or T)
+    p = stacked / torch.stack(totals, 2).clamp_min(1e-30)  # 0 past an all-zero residual
     # with reads the rule knows where x sits among them: x_column (an index over V) is not for its p
-    return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws if reads is None else None), normalise_or_uniform(
-        residual
-    )
+    return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws if reads is None else None), after
+
+
+def packed_slots(inputs: TreeInputs) -> Tensor | None:
+    """(B, J) the positions i K + c of every tested slot in the (B, I, K) tables, padded with untested ones, for a
+    tree whose slots are mostly empty; None where they are not. J is the tree's N - 1 children, a bound that needs
+    no sync: every non-root node is one parent's child. A dynamic tree gives each of its I parents K = top_k slots
+    and fills about one in ten (the sampled dynamic tree 10/5/60: 54 of 550 a row), so a rule that reads p_c over
+    the vocabulary works on 54 rows, not 550. Packing pays where J <= I K / 2."""
+    parents, width = inputs.usable.shape[1:]
+    most = inputs.tree.num_nodes - 1
+    if 2 * most > parents * width:
+        return None
+    return inputs.usable.flatten(1).float().topk(most, dim=1, sorted=False).indices  # the J tested ones first
+
+
+def unpack_slots(values: Tensor, packed: Tensor, usable: Tensor) -> Tensor:
+    """A rule's (B, J) answers for `packed` slots back in place, (B, I, K) like `usable`, 0 on the slots not packed
+    (untested: `verify` does not read them)."""
+    return values.new_zeros(usable.shape).flatten(1).scatter_(1, packed, values).view_as(usable)
 
 
 @functools.lru_cache(maxsize=8)
