@@ -370,9 +370,12 @@ class CascadeDevRule:
         s = (states[rows, kid] * inputs.at_parents(states)[:, :, None]).sum(-1)  # (B, I, K) node vs parent
         deep = inputs.at_children(tree.depths) >= 2
         convergence = torch.where((s > self.sim_threshold) & deep & inputs.usable, s, 0.0)
-        q = tree.q_full.float()[rows, kid]  # (B, I, K, V) drafter distribution at each child
+        # the drafter's q at every node, normalised once per node (not once per slot: a dynamic tree has K slots
+        # under every parent and fills few), then the cosine of every two nodes, read off for each slot's siblings
+        q = tree.q_full.float()  # (B, N, V)
         q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        cosine = q @ q.transpose(-1, -2)  # (B, I, K, K)
+        gram = q @ q.transpose(-1, -2)  # (B, N, N)
+        cosine = gram[rows[..., None], kid[..., :, None], kid[..., None, :]]  # (B, I, K, K)
         width = children.shape[-1]
         other = ~torch.eye(width, dtype=torch.bool, device=children.device)
         pairs = (cosine > self.pair_threshold) & other & inputs.usable[:, :, None, :] & inputs.usable[..., None]
