@@ -302,8 +302,9 @@ def sampled_slots(
     at = None if reads is None else reads.unbind(2)  # K x (B, I, T)
     width = tokens.shape[-1]
     kept, totals = [], []
-    chain: Tensor | None = None  # (B, I, K, V) every r_c, written by the chain itself where p_c is read over V: no
-    if at is None:  # stack copies it afterwards
+    # where p_c is read over V: every r_c in one (B, I, K, V) table, written by the chain itself (no stack copies it)
+    chain: Tensor | None = None
+    if at is None:
         chain = residual.new_empty(*tokens.shape, residual.shape[-1])
         kept = list(chain.unbind(2))
         kept[0].copy_(residual)
