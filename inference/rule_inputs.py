@@ -148,6 +148,4 @@ def chain_step(residual: Tensor, q_draw: Tensor, total: Tensor, out: Tensor | No
     and the draw's q_c (B, I, V) -> relu(r - total q_c) = total relu(p_c - q_c), p_c = r / total (in place on a new
     tensor, or on `out`, a (B, I, V) view of a table of every slot's: two ops). q_c = 0 (an untested slot) leaves r
     as it is."""
-    if out is None:
-        return torch.addcmul(residual, q_draw, total, value=-1.0).relu_()
     return torch.addcmul(residual, q_draw, total, value=-1.0, out=out).relu_()

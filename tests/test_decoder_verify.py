@@ -28,7 +28,15 @@ from inference.sampling import Proposal
 from inference.similarity import mass_above
 from inference.tree import StaticTreeSpec, Tree
 from inference.tree_drafting import gumbel_topk
-from inference.verify import TargetView, Uniforms, build_latent_neighbours, prepare_tree, slot_tables, verify
+from inference.verify import (
+    TargetView,
+    Uniforms,
+    build_latent_neighbours,
+    packed_slots,
+    prepare_tree,
+    slot_tables,
+    verify,
+)
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
 
@@ -201,8 +209,8 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     residuals is built first and every slot is tested at once (`acceptance_sampled`); LANTERN (the authors'
     LlamaGen setting) and GSD-blocks run their own unnormalised chain (`sampled_chain`). Each slot's acceptance, the
     budgeted rule's want and the residual after all children must be the slot loop's, on a wide tree (six children
-    under the root), with top-6 targets whose zeros the drafts often hit, and with image-end limits that leave
-    slots untested."""
+    under the root; its slots are sparse enough that GSD and the dev rule get them packed, `packed_slots`), with
+    top-6 targets whose zeros the drafts often hit, and with image-end limits that leave slots untested."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
@@ -220,6 +228,7 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
             keep_top(view, top)
         inputs = prepare_tree(tree, view, torch.tensor([3, 2, 1, 0, 3, 2, 1, 3]))
         assert (inputs.tables.has_child & ~inputs.usable).any()  # some drafted slots are past the limit
+        assert (packed_slots(inputs) is not None) == (paths is wide)  # the packed path is compared on the wide tree
         compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 4 * 2 * len(rules)
 
