@@ -1,7 +1,7 @@
 """The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9): LANTERN and
-LANTERN++, the two GSD rules, and the CASCADE development code's rule. They change the residual or relax without
-a budget, so they carry no TV guarantee; `inference.rules` holds the registry of every rule and their shared
-interface (`test_slot`, `acceptance_at_once`).
+LANTERN++, GSD, and the CASCADE development code's rule (GSD-blocks has a module of its own: `inference.gsd_blocks`).
+They change the residual or relax without a budget, so they carry no TV guarantee; `inference.rules` holds the
+registry of every rule and their shared interface (`test_slot`, `acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
 width.
@@ -23,6 +23,7 @@ from inference.rule_inputs import (
     TreeInputs,
     chain_step,
     children_mass_above,
+    descending_ranks,
     exact_acceptance,
     exact_residual,
     normalise_or_uniform,
@@ -110,16 +111,17 @@ class LanternRule:
     def greedy_mass(self, inputs: TreeInputs, state: Tensor, slot: SlotInputs) -> Tensor:
         return self._pooled(state, slot)[2]
 
-    def sampled_chain(
-        self, inputs: TreeInputs, table: Tensor, draws: Tensor, q_x: Tensor
+    def own_chain(
+        self, inputs: TreeInputs, table: Tensor, draws: Tensor | None, q_x: Tensor | None
     ) -> tuple[Tensor, Tensor] | None:
         """Every slot of sampled drafts, the authors' LlamaGen/Anole rule (`reject_zeroes="code"`, `static_zeroes="q"`;
-        None for the other settings, which the slot loop tests): a rejection removes q_c at x's k + 1 nearest latents
-        if the nearest was pooled, then relu(p_c - q_c). The residual is kept unnormalised (`chain_step`); a slot
-        costs the prefix sums over x and its nearest, the bound, and q_c with its latents' entries rewritten (zero
-        where zapped), ten ops on (B, I, V) or smaller; the acceptances come at once after the chain.
-        draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) -> a0 (B, I, K), residual (B, I, V)."""
-        if self.reject_zeroes != "code" or self.static_zeroes != "q":
+        None for the other settings and for deterministic drafts, which the slot loop tests): a rejection removes q_c at
+        x's k + 1 nearest latents if the nearest was pooled, then relu(p_c - q_c). The residual is kept unnormalised
+        (`chain_step`); a slot costs the prefix sums over x and its nearest, the bound, and q_c with its latents'
+        entries rewritten (zero where zapped), ten ops on (B, I, V) or smaller; the acceptances come at once after the
+        chain. draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) -> a0 (B, I, K),
+        residual (B, I, V)."""
+        if draws is None or q_x is None or self.reject_zeroes != "code" or self.static_zeroes != "q":
             return None
         near = table[inputs.kid_tokens]  # (B, I, K, 2 + k): x, then its k + 1 nearest latents
         counted = near[..., : self.k + 1].unbind(2)  # K x (B, I, 1 + k): x and the k nearest it may pool
@@ -150,13 +152,6 @@ def _with_self(neighbours: Tensor, width: int, device: torch.device) -> Tensor:
     return torch.cat([codes, neighbours[:, :width].to(device)], 1)
 
 
-def _descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
-    """Order (..., V) of p, most likely first (stable), and each token's rank in it."""
-    order = p.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(p.shape[-1], device=p.device).expand_as(order))
-    return order, ranks
-
-
 @functools.lru_cache(maxsize=8)
 def _window_offsets(window: int, device: torch.device) -> Tensor:
     """(W,) rank offsets of GSD's window around x: -W/2 .. W - W/2 - 1; a shared constant, never written to."""
@@ -167,69 +162,6 @@ def _window_offsets(window: int, device: torch.device) -> Tensor:
 def _window_centre(window: int, device: torch.device) -> Tensor:
     """(W,) bool, True at offset 0 (x's own rank); a shared constant, never written to."""
     return _window_offsets(window, device) == 0
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class GSDBlocksRule:
-    """The CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4): rank-block clusters.
-
-    The cluster of x is the block of G consecutive ranks of the current target distribution holding x;
-    accept w.p. min(1, p(C) / q(C)) with q(C) the proposal mass of the block (1 for deterministic
-    drafts, whose proposal is one-hot at x); on rejection the block is zeroed, then relu(p - q).
-    """
-
-    group: int = 25
-    name: str = "gsd-blocks"
-
-    def __post_init__(self) -> None:
-        if self.group < 1:
-            raise ValueError(f"gsd-blocks group (cluster size G) must be >= 1, got {self.group}")
-
-    def prepare(self, inputs: TreeInputs) -> Any:
-        return None
-
-    def _cluster(self, slot: SlotInputs) -> Tensor:
-        _, ranks = _descending_ranks(slot.p)
-        block = ranks // self.group
-        return block == block.gather(2, slot.x_column)  # (B, I, V)
-
-    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
-        cluster = self._cluster(slot)
-        mass = (slot.p * cluster).sum(-1)
-        residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x_column, slot.q_draw)
-        if slot.q_draw is None:  # q(C) = 1; `verify` clamps a0 to 1
-            return SlotTest(mass, None, residual)
-        proposal = (slot.q_draw * cluster).sum(-1)
-        return SlotTest(mass / proposal.clamp_min(1e-30), None, residual)
-
-    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
-        return (slot.p * self._cluster(slot)).sum(-1)
-
-    def sampled_chain(self, inputs: TreeInputs, state: Any, draws: Tensor, q_x: Tensor) -> tuple[Tensor, Tensor]:
-        """Every slot of sampled drafts: the chain of residual targets first (each rejection zeroes x's rank block of
-        p_c, then relu(p_c - q_c), renormalised: zeroing the block can leave nothing, and then the next slot sees the
-        uniform fallback, as in the slot loop), then p(C) / q(C) of every slot at once. Untested slots come after the
-        tested ones: the residual is read off the chain after the last tested slot, not kept by a product a slot.
-        draws (B, I, K, V) each slot's q_c, 0 on untested slots; q_x (B, I, K) unused (q(C) replaces it) -> a0
-        (B, I, K), residual (B, I, V)."""
-        tokens = inputs.kid_tokens[..., None].unbind(2)  # K x (B, I, 1)
-        p = inputs.probs  # (B, I, V) p_0, normalised
-        targets, clusters = [p], []
-        for c, q_c in enumerate(draws.unbind(2)):
-            if c:
-                p = normalise_or_uniform(p)
-                targets.append(p)
-            block = _descending_ranks(p)[1] // self.group  # (B, I, V)
-            cluster = block == block.gather(2, tokens[c])  # (B, I, V) x's rank block
-            clusters.append(cluster)
-            p = torch.sub(p.masked_fill(cluster, 0.0), q_c).relu_()
-        targets.append(normalise_or_uniform(p))
-        chain = torch.stack(targets, 2)  # (B, I, K + 1, V): p_0 .. p_K
-        cluster_all = torch.stack(clusters, 2)  # (B, I, K, V)
-        mass = (chain[:, :, :-1] * cluster_all).sum(-1)  # (B, I, K)
-        proposal = (draws * cluster_all).sum(-1)
-        last = inputs.usable.sum(-1)[..., None, None].expand(-1, -1, 1, p.shape[-1])  # (B, I, 1, V) tested slots
-        return mass / proposal.clamp_min(1e-30), chain.gather(2, last)[:, :, 0]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -305,7 +237,7 @@ class GSDRule:
         -> (B, I, K), None."""
         p, tokens = slots.p, inputs.kid_tokens  # (B, I, V), (B, I, K)
         vocab, width = p.shape[-1], tokens.shape[-1]
-        order, ranks = _descending_ranks(p)  # (B, I, V) each
+        order, ranks = descending_ranks(p)  # (B, I, V) each
         kid_ranks, p_kids = ranks.gather(2, tokens), p.gather(2, tokens)  # (B, I, K) each
         gone = inputs.usable[:, :, None, :] & slots.removed_before  # (B, I, K, K) [c, c']: c' removed before c
         other_ranks = kid_ranks[:, :, None, :]  # (B, I, 1, K)

@@ -109,6 +109,13 @@ class SlotTest:
     residual: Tensor  # (B, I, V) the target after x is rejected, unnormalised
 
 
+def descending_ranks(p: Tensor) -> tuple[Tensor, Tensor]:
+    """Order (..., V) of p, most likely first (stable), and each token's rank in it."""
+    order = p.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(p.shape[-1], device=p.device).expand_as(order))
+    return order, ranks
+
+
 def exact_acceptance(inputs: SlotInputs) -> Tensor:
     """min(1, p(x) / q(x)) (q(x) > 0 on every slot `verify` tests)."""
     return (inputs.p_x / inputs.q_x).clamp_max(1.0)

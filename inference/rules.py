@@ -15,9 +15,9 @@ target exactly. Hence TV(output of one verification step, target) <= delta, for 
 for sampled trees, static or dynamic (tested by enumeration in tests/test_decoder_lossless.py).
 
 This module holds exact and CASCADE and the registry of every rule. The peer rules (LANTERN, LANTERN++,
-the two GSD rules, the CASCADE development code's rule: `inference.peer_rules`, re-exported here) follow
-their authors' code (cascade.md Round 2, item 9), residual modifications included, and carry no such
-guarantee.
+the two GSD rules, the CASCADE development code's rule: `inference.peer_rules` and `inference.gsd_blocks`,
+re-exported here) follow their authors' code (cascade.md Round 2, item 9), residual modifications included,
+and carry no such guarantee.
 
 Shapes: B rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary,
 D feature width, C candidate tokens per slot (2K + 1).
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.peer_rules import CascadeDevRule, GSDBlocksRule, GSDRule, LanternRule, scatter_mask
+from inference.gsd_blocks import GSDBlocksRule
+from inference.peer_rules import CascadeDevRule, GSDRule, LanternRule, scatter_mask
 from inference.rule_inputs import (
     RemovalSlots,
     SlotInputs,

@@ -15,9 +15,9 @@ whose rejection only removes x (`exact`, `cascade`, `cascade-dev`), not even tha
 sees the target with the earlier children's tokens removed, renormalised, which `removal_slots` writes
 for every slot at once. For sampled drafts the loop runs only the chain of residuals, kept unnormalised
 (three ops a slot, `sampled_slots`), and the rule tests every slot at once after it (`acceptance_sampled`); a
-rule that changes the residual runs its own chain (`sampled_chain`). The aten op count per step is independent
-of tree depth and size, and there is no host-device sync. Only parents need the
-target's distribution: on a static tree the view covers its inner nodes (`TargetView.nodes`), every
+rule that changes the residual runs its own chain (`own_chain`; GSD-blocks' on deterministic drafts sorts p once).
+The aten op count per step is independent of tree depth and size, and there is no host-device sync. Only parents
+need the target's distribution: on a static tree the view covers its inner nodes (`TargetView.nodes`), every
 V-wide table has one row per inner node, and a walk that ends at a leaf reads the target there
 through `TargetView.at_leaf`.
 
@@ -213,13 +213,13 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
     state: Any = rule.prepare(inputs)  # the rule's own per-step tables
     width = children.shape[-1]
     q_draws: tuple[Tensor, ...] | None = None
+    draws = q_x = None  # deterministic drafts: one-hot proposals
     if not tree.sampled:
         at_once = getattr(rule, "acceptance_at_once", None)
         if at_once is not None:  # removals only: every slot at once, no loop
             slots, residual = removal_slots(inputs)
             a0, want = at_once(inputs, state, slots)
             return a0, want, residual
-        q_kids = (torch.ones_like(p[..., 0]),) * width  # (B, I) one-hot proposals
     else:
         if inputs.kid_q is None:
             raise ValueError("a sampled tree's TreeInputs need kid_q (prepare_tree)")
@@ -238,11 +238,13 @@ def slot_tables(rule: Rule, inputs: TreeInputs) -> tuple[Tensor, Tensor | None, 
                 a0 = unpack_slots(a0, all_slots.packed, usable)
                 want = None if want is None else unpack_slots(want, all_slots.packed, usable)
             return a0, want, residual
-        own_chain = getattr(rule, "sampled_chain", None)  # a rule that changes the residual runs its own chain
-        chained = None if own_chain is None else own_chain(inputs, state, draws, q_x)
-        if chained is not None:
-            a0, residual = chained
-            return a0.clamp_max(1.0), None, residual
+    own_chain = getattr(rule, "own_chain", None)  # a rule that changes the residual may run its own chain
+    chained = None if own_chain is None else own_chain(inputs, state, draws, q_x)
+    if chained is not None:
+        return chained[0].clamp_max(1.0), None, chained[1]
+    if draws is None or q_x is None:
+        q_kids = (torch.ones_like(p[..., 0]),) * width  # (B, I) one-hot proposals
+    else:
         q_kids, q_draws = q_x.unbind(-1), draws.unbind(2)
     tested = usable.to(p.dtype)[..., None].unbind(-2)  # K x (B, I, 1): 1 where the slot is tested
     kid_tokens = inputs.kid_tokens[..., None].unbind(-2)  # K x (B, I, 1), to gather with

@@ -14,6 +14,7 @@ import pytest
 import torch
 from reference_verify import reference_batch
 
+from inference.gsd_blocks import Ranking, block_slots, walk_blocks
 from inference.rules import (
     CascadeDevRule,
     CascadeRule,
@@ -182,9 +183,10 @@ def closed_forms_match_the_slot_loop(rules: list, inputs) -> int:
 
 def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers():
     """Exact, CASCADE, the CASCADE dev rule and GSD test every slot of deterministic drafts at once (their residual
-    only removes x): each slot's acceptance and the residual after all children must be the loop's, on trees whose
-    earlier rejected siblings change a later slot's nucleus gate, pooled mass and GSD window (a wide tree, many
-    seeds), and on targets with zeros (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
+    only removes x), and so does GSD-blocks (its rejection removes x's rank block: `block_slots`): each slot's
+    acceptance and the residual after all children must be the loop's, on trees whose earlier rejected siblings
+    change a later slot's nucleus gate, pooled mass, GSD window and rank blocks (a wide tree, many seeds), and on
+    targets with zeros (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     loose = dict(sim_threshold=0.1, pair_threshold=0.2)
@@ -195,26 +197,61 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
         GSDRule(embeddings=embeddings, window=w, p_threshold=t, distance_threshold=d)
         for w, t, d in ((6, 1.0, 100.0), (3, 0.05, 1.0), (20, 1.0, 100.0), (5, 0.1, 2.0))
     ]
+    rules += [GSDBlocksRule(group=g) for g in (1, 2)]  # (K - 1) G < V on both trees: `block_slots` applies
     for paths, seed, top in itertools.product((SMALL_TREE, wide), range(6), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
         if top is not None:  # a top-k target: mass on 6 tokens, the drafts (q's top tokens) often outside them
             keep_top(view, top)
         inputs = prepare_tree(tree, view, None)
+        assert all(block_slots(inputs, r.group) is not None for r in rules if isinstance(r, GSDBlocksRule))
         compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 6 * 2 * len(rules)
+
+
+def test_gsd_blocks_on_deterministic_drafts_follow_the_slot_loop_through_the_zeros_and_the_uniform_fallback():
+    """GSD-blocks' closed form (`block_slots`: one sort of p) against its slot loop (one sort per slot), where its
+    two rare branches are taken: a draft that is 0 under p_c whose block holds the partial rank chunk (the last
+    one with positive tokens, which shares its block with zeros: a rejection takes it), and a rejection that leaves
+    no positive token, after which the next slots see the uniform fallback. Top-k targets over 40 tokens, blocks of
+    2 to 7; the test counts that both branches were met."""
+    vocab, partial_hits, fallbacks, compared = 40, 0, 0, 0
+    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4))
+    for paths, seed, group, top in itertools.product((SMALL_TREE, wide), range(3), (2, 3, 7), (None, 6, 10)):
+        tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
+        if top is not None:
+            keep_top(view, top)
+        inputs = prepare_tree(tree, view, None)
+        answer = block_slots(inputs, group)
+        assert answer is not None
+        walk = walk_blocks(Ranking.of(inputs.probs, group), inputs.kid_tokens, inputs.usable, group)
+        partial_hits += int(walk.partial_taken.sum())
+        fallbacks += int((answer[2] & inputs.usable).sum())
+        compared += closed_forms_match_the_slot_loop([GSDBlocksRule(group=group)], inputs)
+    assert compared == 2 * 3 * 3 * 3
+    assert partial_hits > 20 and fallbacks > 20, (partial_hits, fallbacks)
+
+
+def test_gsd_blocks_leave_to_the_slot_loop_the_blocks_the_uniform_fallback_could_run_out_of():
+    """Where (K - 1) G >= V the uniform phase itself could be emptied, which `block_slots` does not model: the rule's
+    own chain declines (None) and verification tests slot after slot, with the same answers as the plain loop."""
+    tree, view = build_case(SMALL_TREE, batch=8, vocab=12, sampled=False, seed=0)
+    inputs = prepare_tree(tree, view, None)
+    rule = GSDBlocksRule(group=12)
+    assert block_slots(inputs, rule.group) is None and rule.own_chain(inputs, None, None, None) is None
+    assert closed_forms_match_the_slot_loop([rule], inputs) == 1
 
 
 def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     """Exact, CASCADE, the CASCADE dev rule and GSD keep the exact residual, so on sampled drafts the chain of
     residuals is built first and every slot is tested at once (`acceptance_sampled`); LANTERN (the authors'
-    LlamaGen setting) and GSD-blocks run their own unnormalised chain (`sampled_chain`). Each slot's acceptance, the
+    LlamaGen setting) and GSD-blocks run their own unnormalised chain (`own_chain`). Each slot's acceptance, the
     budgeted rule's want and the residual after all children must be the slot loop's, on a wide tree (six children
     under the root; its slots are sparse enough that GSD and the dev rule get them packed, `packed_slots`), with
     top-6 targets whose zeros the drafts often hit, and with image-end limits that leave slots untested."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
-    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled") or hasattr(r, "sampled_chain")]
+    rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled") or hasattr(r, "own_chain")]
     rules += [CascadeDevRule(nucleus=m, sim_threshold=0.1, pair_threshold=0.2) for m in (0.3, 0.7)]
     rules += [GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=100.0) for w in (3, 20)]
     rules += [GSDBlocksRule(group=g) for g in (1, 5)]
