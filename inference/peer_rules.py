@@ -27,6 +27,8 @@ from inference.rule_inputs import (
     exact_acceptance,
     exact_residual,
     normalise_or_uniform,
+    packed_slots,
+    unpack_slots,
 )
 
 
@@ -211,6 +213,19 @@ class GSDRule:
             return mass, None
         return mass, (slot.q_draw.gather(-1, members) * keep).sum(-1)
 
+    @staticmethod
+    def _distance(embeddings: Tensor, inputs: TreeInputs, members: Tensor) -> Tensor:
+        """The squared distance (B, I, K, W) of each slot's window `members` (B, I, K, W) to its token x, in the
+        embedding space. On a tree with mostly empty slots (`packed_slots`: the dynamic tree fills about one in ten)
+        only the tested slots' windows are read, (B, J, W, E) instead of (B, I, K, W, E), and the others get 0."""
+        tokens, packed = inputs.kid_tokens, packed_slots(inputs)  # (B, I, K), (B, J) or None
+        if packed is None:
+            return (embeddings[members] - embeddings[tokens][..., None, :]).pow(2).sum(-1)
+        window = members.flatten(1, 2).gather(1, packed[..., None].expand(-1, -1, members.shape[-1]))  # (B, J, W)
+        x = tokens.flatten(1).gather(1, packed)  # (B, J)
+        distance = (embeddings[window] - embeddings[x][..., None, :]).pow(2).sum(-1)  # (B, J, W)
+        return unpack_slots(distance, packed, inputs.usable)
+
     def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
         mass, proposal = self._cluster_mass(state, slot)
         a0 = mass if proposal is None else mass / proposal.clamp_min(1e-30)  # `verify` clamps it to 1
@@ -251,7 +266,7 @@ class GSDRule:
         at_p = at + (skipped[:, :, :, None, :] <= at[..., None]).sum(-1)  # (B, I, K, W) p-ranks
         members = order.gather(2, at_p.clamp(0, vocab - 1).flatten(2)).view_as(at_p)  # (B, I, K, W)
         p_members = p.gather(2, members.flatten(2)).view_as(members) * (at_p < vocab)  # unnormalised, 0 past V
-        distance = (state[members] - state[tokens][..., None, :]).pow(2).sum(-1)  # (B, I, K, W)
+        distance = self._distance(state, inputs, members)  # (B, I, K, W)
         left = slots.mass_left[..., None]  # (B, I, K, 1) p_c's normaliser
         keep = inside & ((p_members - p_kids[..., None]).abs() < self.p_threshold * left)
         keep &= distance < self.distance_threshold

@@ -50,7 +50,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import RemovalSlots, SlotInputs, TreeInputs, chain_step, normalise_or_uniform
+from inference.rule_inputs import (
+    RemovalSlots,
+    SlotInputs,
+    TreeInputs,
+    chain_step,
+    normalise_or_uniform,
+    packed_slots,
+    unpack_slots,
+)
 from inference.rules import (
     RULES,
     CascadeRule,
@@ -330,26 +338,6 @@ def sampled_slots(
     p = stacked / torch.stack(totals, 2).clamp_min(1e-30)  # 0 past an all-zero residual
     # with reads the rule knows where x sits among them: x_column (an index over V) is not for its p
     return SlotInputs(None, p, tokens, tokens[..., None], q_x, draws if reads is None else None), after
-
-
-def packed_slots(inputs: TreeInputs) -> Tensor | None:
-    """(B, J) the positions i K + c of every tested slot in the (B, I, K) tables, padded with untested ones, for a
-    tree whose slots are mostly empty; None where they are not. J is the tree's N - 1 children, a bound that needs
-    no sync: every non-root node is one parent's child. A dynamic tree gives each of its I parents K = top_k slots
-    and fills about one in ten (the sampled dynamic tree 10/5/60: 54 of 550 a row), so a rule that reads p_c over
-    the vocabulary works on 54 rows, not 550. Packing costs about 20 ops a step, so it runs where J <= I K / 4 only
-    (not on the toy's default tree: 8 children, 9 x 2 slots)."""
-    parents, width = inputs.usable.shape[1:]
-    most = inputs.tree.num_nodes - 1
-    if 4 * most > parents * width:
-        return None
-    return inputs.usable.flatten(1).float().topk(most, dim=1, sorted=False).indices  # the J tested ones first
-
-
-def unpack_slots(values: Tensor, packed: Tensor, usable: Tensor) -> Tensor:
-    """A rule's (B, J) answers for `packed` slots back in place, (B, I, K) like `usable`, 0 on the slots not packed
-    (untested: `verify` does not read them)."""
-    return values.new_zeros(usable.shape).flatten(1).scatter_(1, packed, values).view_as(usable)
 
 
 @functools.lru_cache(maxsize=8)

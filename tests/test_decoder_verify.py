@@ -185,8 +185,9 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
     """Exact, CASCADE, the CASCADE dev rule and GSD test every slot of deterministic drafts at once (their residual
     only removes x), and so does GSD-blocks (its rejection removes x's rank block: `block_slots`): each slot's
     acceptance and the residual after all children must be the loop's, on trees whose earlier rejected siblings
-    change a later slot's nucleus gate, pooled mass, GSD window and rank blocks (a wide tree, many seeds), and on
-    targets with zeros (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
+    change a later slot's nucleus gate, pooled mass, GSD window and rank blocks (a wide tree, many seeds; its slots
+    are sparse enough that GSD measures the tested slots' windows only, `packed_slots`), and on targets with zeros
+    (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
     vocab, compared = 12, 0
     wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     loose = dict(sim_threshold=0.1, pair_threshold=0.2)
@@ -203,6 +204,7 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
         if top is not None:  # a top-k target: mass on 6 tokens, the drafts (q's top tokens) often outside them
             keep_top(view, top)
         inputs = prepare_tree(tree, view, None)
+        assert (packed_slots(inputs) is not None) == (paths is wide)  # GSD's windows are packed on the wide tree
         assert all(block_slots(inputs, r.group) is not None for r in rules if isinstance(r, GSDBlocksRule))
         compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 6 * 2 * len(rules)
