@@ -21,7 +21,7 @@ The slot loop renormalises after each rejection: a rounding that made two adjace
 them by id there and by p here (as for GSD's closed form, `GSDRule.acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, G the block size, C = V // G + 1 rank chunks (the last
-one past the vocabulary: 0 mass).
+may be partial or empty), and the chunk tables hold one more, past the vocabulary (0 mass): C + 1 columns.
 """
 
 from __future__ import annotations
@@ -217,8 +217,9 @@ def walk_blocks(ranking: Ranking, tokens: Tensor, tested: Tensor, group: int) ->
     removed_by = first[:, :, None, :] & earlier  # (B, I, K, K) [c, c']: c' removed its chunk before c
     left = ranking.positive - (size[:, :, None, :] * removed_by).sum(-1)  # (B, I, K) P_c
     zero_rank = left + (below[..., :width] * removed_by).sum(-1)  # + the removed positive tokens with a smaller id
-    if ranking.zero_counts is not None and positive_x is not None:  # + the base's own zeros with a smaller id (the
-        zero_rank = zero_rank + ranking.zero_counts.gather(2, tokens) + positive_x - 1  # count at x includes a zero x)
+    # + the base's own zeros with a smaller id (the count at x includes x where x is one of them)
+    if ranking.zero_counts is not None and positive_x is not None:
+        zero_rank = zero_rank + ranking.zero_counts.gather(2, tokens) + positive_x - 1
     # x is 0 under p_c (tested, not first) and its block starts before p_c's positive tokens end
     hit = (tested > first) & (zero_rank // group * group < left)  # (B, I, K)
     # the first such x takes the partial chunk; after it, the partial chunk is gone, and no x can hit it again
