@@ -131,7 +131,7 @@ class Ranking:
     tail: Tensor  # (B, I, 1) int64 the partial chunk, P // G (an empty one where G divides P)
     tail_size: Tensor  # (B, I, 1) int64 its positive tokens, P mod G
     chunk_mass: Tensor  # (B, I, C + 1) the mass of each rank chunk [kG, kG + G); 0 past the vocabulary
-    zero_counts: Tensor | None  # (B, I, V) int64 the zeros with an id up to each token's; None: there are none
+    zero_counts: Tensor | None  # (B, I, V) int64 the zeros with an id up to each token's; None for the uniform
     by_id: bool = False  # the order is the token ids
 
     @classmethod
@@ -140,7 +140,7 @@ class Ranking:
         vocab = p.shape[-1]
         ranked, order = p.sort(dim=-1, descending=True, stable=True)  # (B, I, V) each: p, most likely first
         chunk_of = torch.empty_like(order).scatter_(
-            2, order, _uniform_tables(vocab, group, p.device)[2].expand_as(order)
+            2, order, _uniform_tables(vocab, group, p.dtype, p.device)[2].expand_as(order)
         )
         padded = torch.nn.functional.pad(ranked, (0, (vocab // group + 2) * group - vocab))
         chunk_mass = padded.view(*p.shape[:2], -1, group).sum(-1)  # (B, I, C + 1)
@@ -149,9 +149,10 @@ class Ranking:
         return cls(p, order, chunk_of, positive, tail, positive - tail * group, chunk_mass, (p == 0).cumsum(-1))
 
     @classmethod
-    def uniform(cls, shape: torch.Size, group: int, device: torch.device) -> Ranking:
-        """The uniform fallback over V, of shape (B, I, V): expanded constants, no op."""
-        uniform, ids, chunk_of, counts, chunk_mass = _uniform_tables(shape[-1], group, device)
+    def uniform(cls, like: Tensor, group: int) -> Ranking:
+        """The uniform fallback over V, with the shape (B, I, V), dtype and device of `like`: expanded constants."""
+        shape = like.shape
+        uniform, ids, chunk_of, counts, chunk_mass = _uniform_tables(shape[-1], group, like.dtype, like.device)
         positive, tail, tail_size = (count.expand(*shape[:2], 1) for count in counts.unbind(-1))
         return cls(
             uniform.expand(shape), ids.expand(shape), chunk_of.expand(shape), positive, tail, tail_size,
@@ -160,15 +161,15 @@ class Ranking:
 
 
 @functools.lru_cache(maxsize=8)
-def _uniform_tables(vocab: int, group: int, device: torch.device) -> tuple[Tensor, ...]:
+def _uniform_tables(vocab: int, group: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
     """The uniform distribution's (1, 1, V) values, ids and their rank chunks (id // G, also the chunk of each place of
     any order), its (1, 1, 1, 3) positive count, partial chunk and that chunk's size, and its (1, 1, C + 1) chunk
     masses; shared constants, never written to."""
-    uniform = torch.full((1, 1, vocab), 1.0 / vocab, device=device)
+    uniform = torch.full((1, 1, vocab), 1.0 / vocab, dtype=dtype, device=device)
     ids, chunks = node_range(vocab, device).view(1, 1, -1), vocab // group + 2
     sizes = (vocab - node_range(chunks, device) * group).clamp(0, group)  # (C + 1,) tokens in each chunk
     counts = torch.tensor([vocab, vocab // group, vocab % group], device=device).view(1, 1, 1, 3)
-    return uniform, ids, ids // group, counts, (sizes / vocab).view(1, 1, -1)
+    return uniform, ids, ids // group, counts, (sizes.to(dtype) / vocab).view(1, 1, -1)
 
 
 @dataclass
@@ -196,37 +197,38 @@ def walk_blocks(ranking: Ranking, tokens: Tensor, tested: Tensor, group: int) ->
     earlier = strictly_lower(width, tokens.device)  # (K, K) [c, c']: c' before c
     tail, tail_size = ranking.tail, ranking.tail_size  # (B, I, 1) each
     own = ranking.chunk_of.gather(2, tokens)  # (B, I, K) x's chunk of the base's order
-    chunk_ids = torch.cat([own, tail], -1)  # (B, I, K + 1): each slot's chunk, then the partial one
-    at = chunk_ids[..., None] * group + offsets  # (B, I, K + 1, G) the ranks in each
-    # [c, c'] how many positive tokens of slot c''s chunk (c' = K: the partial chunk) have a smaller id than x_c
+    at = own[..., None] * group + offsets  # (B, I, K, G) the ranks in each slot's chunk
+    # [c, c'] how many positive tokens of slot c''s chunk have a smaller id than x_c
     if ranking.by_id:  # every token is positive; ranks past the vocabulary are ids above every x
-        below = (at[:, :, None] < tokens[..., None, None]).sum(-1)  # (B, I, K, K + 1)
+        below = (at[:, :, None] < tokens[..., None, None]).sum(-1)  # (B, I, K, K)
         positive_x, removing = None, tested  # every x is positive; a rejection removes its chunk
     else:
         vocab = ranking.order.shape[-1]
-        members = ranking.order.gather(2, at.flatten(2).clamp_max(vocab - 1)).view_as(at)  # (B, I, K + 1, G)
-        counted = (at < ranking.positive[..., None])[:, :, None]  # (B, I, 1, K + 1, G)
+        members = ranking.order.gather(2, at.flatten(2).clamp_max(vocab - 1)).view_as(at)  # (B, I, K, G)
+        counted = (at < ranking.positive[..., None])[:, :, None]  # (B, I, 1, K, G)
         below = ((members[:, :, None] < tokens[..., None, None]) & counted).sum(-1)
         positive_x = ranking.base.gather(2, tokens) > 0  # (B, I, K) x is positive under the base
         removing = positive_x & tested  # a positive x, whose rejection removes its chunk
     same = (own[..., None] == own[:, :, None, :]) & removing[:, :, None, :] & earlier  # (B, I, K, K) [c, c']
-    first = removing > same.any(-1)  # the chunk goes with this slot, not with an earlier sibling's (bools: a > b
-    # is a and not b), unless the partial chunk went before, below
+    # the chunk goes with this slot, not with an earlier sibling's (on bools a > b is a and not b); but see the
+    # partial chunk below
+    first = removing > same.any(-1)
     size = torch.where(own < tail, group, tail_size)  # (B, I, K) positive tokens in x's chunk
     # as if no zero x had taken the partial chunk before slot c: the positive tokens left, and x's rank if it is 0
     removed_by = first[:, :, None, :] & earlier  # (B, I, K, K) [c, c']: c' removed its chunk before c
     left = ranking.positive - (size[:, :, None, :] * removed_by).sum(-1)  # (B, I, K) P_c
-    zero_rank = left + (below[..., :width] * removed_by).sum(-1)  # + the removed positive tokens with a smaller id
+    zero_rank = left + (below * removed_by).sum(-1)  # + the removed positive tokens with a smaller id
     # + the base's own zeros with a smaller id (the count at x includes x where x is one of them)
-    if ranking.zero_counts is not None and positive_x is not None:
+    if ranking.zero_counts is not None and positive_x is not None:  # both None only for the uniform (mypy: both)
         zero_rank = zero_rank + ranking.zero_counts.gather(2, tokens) + positive_x - 1
-    # x is 0 under p_c (tested, not first) and its block starts before p_c's positive tokens end
+    # x is 0 under p_c (tested, not first; as if no zero x had taken the partial chunk yet) and its block starts
+    # before p_c's positive tokens end
     hit = (tested > first) & (zero_rank // group * group < left)  # (B, I, K)
     # the first such x takes the partial chunk; after it, the partial chunk is gone, and no x can hit it again
     partial_gone = (hit[:, :, None, :] & earlier).any(-1)  # (B, I, K)
     first = first > ((own == tail) & partial_gone)
     hit = hit > partial_gone
-    chunk_at = ranking.chunk_mass.gather(2, chunk_ids)  # (B, I, K + 1)
+    chunk_at = ranking.chunk_mass.gather(2, torch.cat([own, tail], -1))  # (B, I, K + 1): x's chunk, the partial one
     mass = chunk_at[..., :width] * first + chunk_at[..., width:] * hit  # (B, I, K)
     removed_count = size * first + tail_size * hit
     chunks = ranking.chunk_mass.shape[-1]
@@ -247,11 +249,12 @@ def block_slots(inputs: TreeInputs, group: int) -> tuple[Tensor, Tensor, Tensor]
     if (tokens.shape[-1] - 1) * group >= p.shape[-1]:
         return None
     ranking = Ranking.of(p, group)
-    first = walk_blocks(ranking, tokens, tested, group)
+    walk = walk_blocks(ranking, tokens, tested, group)
     # no positive token left before slot c: p_c is the uniform fallback, and a second phase starts from it
-    fallback = first.removed_count.cumsum(-1) - first.removed_count >= ranking.positive  # (B, I, K)
-    second = walk_blocks(Ranking.uniform(p.shape, group, p.device), tokens, tested & fallback, group)
-    mass = torch.where(fallback, second.mass, first.mass)
-    a0 = mass / torch.where(fallback, second.mass_left, first.mass_left).clamp_min(1e-30)
-    kept = torch.where((tested & fallback).any(-1, keepdim=True), second.kept, first.kept)
+    fallback = walk.removed_count.cumsum(-1) - walk.removed_count >= ranking.positive  # (B, I, K)
+    fallback_walk = walk_blocks(Ranking.uniform(p, group), tokens, tested & fallback, group)
+    mass = torch.where(fallback, fallback_walk.mass, walk.mass)
+    # 0 / 0 only on the first phase's slots past its last positive token, which the fallback walk answers
+    a0 = (mass / torch.where(fallback, fallback_walk.mass_left, walk.mass_left)).nan_to_num_(0.0)
+    kept = torch.where((tested & fallback).any(-1, keepdim=True), fallback_walk.kept, walk.kept)
     return a0, normalise_or_uniform(kept), fallback

@@ -133,7 +133,7 @@ def packed_slots(inputs: TreeInputs) -> Tensor | None:
 def unpack_slots(values: Tensor, packed: Tensor, usable: Tensor) -> Tensor:
     """A rule's (B, J, ...) answers for `packed` slots back in place, (B, I, K, ...) like `usable`, 0 on the slots not
     packed (untested: `verify` does not read them)."""
-    if values.dim() == 2:
+    if values.dim() == 2:  # the general form below would add a view and an expand: two ops a step
         return values.new_zeros(usable.shape).flatten(1).scatter_(1, packed, values).view_as(usable)
     trailing = values.shape[2:]
     index = packed.view(*packed.shape, *(1,) * len(trailing)).expand_as(values)

@@ -15,6 +15,7 @@ import torch
 from reference_verify import reference_batch
 
 from inference.gsd_blocks import Ranking, block_slots, walk_blocks
+from inference.rule_inputs import packed_slots
 from inference.rules import (
     CascadeDevRule,
     CascadeRule,
@@ -33,7 +34,6 @@ from inference.verify import (
     TargetView,
     Uniforms,
     build_latent_neighbours,
-    packed_slots,
     prepare_tree,
     slot_tables,
     verify,
@@ -241,6 +241,20 @@ def test_gsd_blocks_leave_to_the_slot_loop_the_blocks_the_uniform_fallback_could
     rule = GSDBlocksRule(group=12)
     assert block_slots(inputs, rule.group) is None and rule.own_chain(inputs, None, None, None) is None
     assert closed_forms_match_the_slot_loop([rule], inputs) == 1
+
+
+def test_gsd_blocks_test_a_slot_reached_with_less_than_1e_30_of_the_mass_left_as_the_slot_loop_does():
+    """The closed form divides a block's mass by the mass left without a floor, as the loop's renormalising does:
+    after children holding all but about 1e-37 of the target are rejected, the next child's test is the loop's."""
+    vocab, width, batch = 8, 3, 2
+    logits = torch.full((batch, width + 1, vocab), -200.0)
+    logits[..., :3] = torch.tensor([0.0, -85.0, -90.0])  # p = 1, 1.2e-37, 8e-40 (subnormal), 0 elsewhere
+    tokens = torch.tensor([vocab - 1, 0, 1, 2]).expand(batch, -1)
+    parents = torch.tensor([-1] + [0] * width).expand(batch, -1)
+    tree = Tree(tokens, parents, (parents >= 0).long(), torch.zeros(batch, width + 1, vocab), False, 1, width)
+    inputs = prepare_tree(tree, TargetView(logits.softmax(-1)), None)
+    assert closed_forms_match_the_slot_loop([GSDBlocksRule(group=1)], inputs) == 1
+    assert block_slots(inputs, 1) is not None
 
 
 def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
