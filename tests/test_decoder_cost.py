@@ -87,7 +87,7 @@ def test_the_counter_tells_views_from_computing_ops():
 # one uncounted decode per tree that `count_decode_ops` makes (a static tree's tables and the drafter's fused
 # weights are built once, not every step): drafting [static 368, static-chain 465, dynamic 370, dynamic-sampled
 # 375], verification by exact [127, 94, 102, 138], by LANTERN, LANTERN++ and GSD-blocks [162-177, 114-122, 159-160,
-# 172-187; GSD-blocks on the dynamic tree 267] and by the other rules [155-204, 122-171, 171-223, 165-247], view
+# 172-187; GSD-blocks on the dynamic tree 265] and by the other rules [155-204, 122-171, 171-223, 165-247], view
 # [9-11], commit [64]. The target's own forward [391-392, 430] is the model's code, not the decoder's.
 # Static-tree verification costs about 25 ops more since the target view covers only the nodes with children
 # (on trees whose leaves are at least half the nodes, `mc_sim_7b_63` here): the bonus token of a walk that ends
