@@ -27,6 +27,7 @@ from inference.rule_inputs import (
     exact_acceptance,
     exact_residual,
     normalise_or_uniform,
+    pack_slots,
     packed_slots,
     unpack_slots,
 )
@@ -221,8 +222,7 @@ class GSDRule:
         tokens, packed = inputs.kid_tokens, packed_slots(inputs)  # (B, I, K), (B, J) or None
         if packed is None:
             return (embeddings[members] - embeddings[tokens][..., None, :]).pow(2).sum(-1)
-        window = members.flatten(1, 2).gather(1, packed[..., None].expand(-1, -1, members.shape[-1]))  # (B, J, W)
-        x = tokens.flatten(1).gather(1, packed)  # (B, J)
+        window, x = pack_slots(members, packed), pack_slots(tokens, packed)  # (B, J, W), (B, J)
         distance = (embeddings[window] - embeddings[x][..., None, :]).pow(2).sum(-1)  # (B, J, W)
         return unpack_slots(distance, packed, inputs.usable)
 
@@ -340,8 +340,7 @@ class CascadeDevRule:
         """a0 (B, I), or (B, I, K) for `slot` with a K axis, or (B, J) for packed slots."""
         if slot.packed is not None:  # the tested slots only (`SlotInputs.packed`): (B, J), (B, J, K)
             width = inputs.kid_tokens.shape[-1]
-            convergence = state.convergence.flatten(1).gather(1, slot.packed)
-            pairs = state.pairs.flatten(1, 2).gather(1, slot.packed[..., None].expand(-1, -1, width))
+            convergence, pairs = pack_slots(state.convergence, slot.packed), pack_slots(state.pairs, slot.packed)
             siblings = inputs.kid_tokens.gather(1, (slot.packed // width)[..., None].expand(-1, -1, width))
         elif slot.slot is None:  # every slot at once: each slot's pairs with its siblings, (B, I, K, K)
             convergence, pairs = state.convergence, state.pairs

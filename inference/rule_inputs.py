@@ -130,6 +130,15 @@ def packed_slots(inputs: TreeInputs) -> Tensor | None:
     return inputs.usable.flatten(1).float().topk(most, dim=1, sorted=False).indices  # the J tested ones first
 
 
+def pack_slots(values: Tensor, packed: Tensor) -> Tensor:
+    """Per-slot values (B, I, K, ...) at the `packed` slots (`packed_slots`) only: (B, J, ...); `unpack_slots` puts
+    answers back."""
+    flat = values.flatten(1, 2)  # (B, I K, ...)
+    if flat.dim() == 2:
+        return flat.gather(1, packed)
+    return flat.gather(1, packed.view(*packed.shape, *(1,) * (flat.dim() - 2)).expand(-1, -1, *flat.shape[2:]))
+
+
 def unpack_slots(values: Tensor, packed: Tensor, usable: Tensor) -> Tensor:
     """A rule's (B, J, ...) answers for `packed` slots back in place, (B, I, K, ...) like `usable`, 0 on the slots not
     packed (untested: `verify` does not read them)."""

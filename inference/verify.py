@@ -56,6 +56,7 @@ from inference.rule_inputs import (
     TreeInputs,
     chain_step,
     normalise_or_uniform,
+    pack_slots,
     packed_slots,
     unpack_slots,
 )
@@ -328,12 +329,12 @@ def sampled_slots(
     after = normalise_or_uniform(residual)
     if packed is not None and chain is not None:  # the tested slots' rows of the (B, I K, .) tables, divided alone
         rows = packed[..., None]  # (B, J, 1)
-        vocab_rows = rows.expand(-1, -1, residual.shape[-1])  # (B, J, V)
+        vocab_rows = rows.expand(-1, -1, residual.shape[-1])  # (B, J, V), one index for p and q_c
         p = chain.flatten(1, 2).gather(1, vocab_rows)  # (B, J, V)
         p = p / torch.stack(totals, 2).flatten(1, 2).gather(1, rows).clamp_min(1e-30)
-        x = tokens.flatten(1).gather(1, packed)  # (B, J)
+        x = pack_slots(tokens, packed)  # (B, J)
         q_c = draws.flatten(1, 2).gather(1, vocab_rows)  # (B, J, V)
-        return SlotInputs(None, p, x, x[..., None], q_x.flatten(1).gather(1, packed), q_c, packed), after
+        return SlotInputs(None, p, x, x[..., None], pack_slots(q_x, packed), q_c, packed), after
     stacked = torch.stack(kept, 2) if chain is None else chain  # (B, I, K, V or T)
     p = stacked / torch.stack(totals, 2).clamp_min(1e-30)  # 0 past an all-zero residual
     # with reads the rule knows where x sits among them: x_column (an index over V) is not for its p

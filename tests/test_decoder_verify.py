@@ -40,6 +40,8 @@ from inference.verify import (
 )
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
+# six children under the root, four under each of the first three: more slots than a static preset has
+WIDE_TREE = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
 
 
 def build_case(paths, batch: int, vocab: int, sampled: bool, seed: int, dim: int = 8) -> tuple[Tree, TargetView]:
@@ -189,7 +191,6 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
     are sparse enough that GSD measures the tested slots' windows only, `packed_slots`), and on targets with zeros
     (top-6 of 12), where drafts the target gives no mass sort among the zeros."""
     vocab, compared = 12, 0
-    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     loose = dict(sim_threshold=0.1, pair_threshold=0.2)
     embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
     rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_at_once")]
@@ -199,12 +200,12 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
         for w, t, d in ((6, 1.0, 100.0), (3, 0.05, 1.0), (20, 1.0, 100.0), (5, 0.1, 2.0))
     ]
     rules += [GSDBlocksRule(group=g) for g in (1, 2)]  # (K - 1) G < V on both trees: `block_slots` applies
-    for paths, seed, top in itertools.product((SMALL_TREE, wide), range(6), (None, 6)):
+    for paths, seed, top in itertools.product((SMALL_TREE, WIDE_TREE), range(6), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
         if top is not None:  # a top-k target: mass on 6 tokens, the drafts (q's top tokens) often outside them
             keep_top(view, top)
         inputs = prepare_tree(tree, view, None)
-        assert (packed_slots(inputs) is not None) == (paths is wide)  # GSD's windows are packed on the wide tree
+        assert (packed_slots(inputs) is not None) == (paths is WIDE_TREE)  # GSD's windows are packed on the wide tree
         assert all(block_slots(inputs, r.group) is not None for r in rules if isinstance(r, GSDBlocksRule))
         compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 6 * 2 * len(rules)
@@ -217,8 +218,7 @@ def test_gsd_blocks_on_deterministic_drafts_follow_the_slot_loop_through_the_zer
     no positive token, after which the next slots see the uniform fallback. Top-k targets over 40 tokens, blocks of
     2 to 7; the test counts that both branches were met."""
     vocab, partial_hits, fallbacks, compared = 40, 0, 0, 0
-    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4))
-    for paths, seed, group, top in itertools.product((SMALL_TREE, wide), range(3), (2, 3, 7), (None, 6, 10)):
+    for paths, seed, group, top in itertools.product((SMALL_TREE, WIDE_TREE), range(3), (2, 3, 7), (None, 6, 10)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
         if top is not None:
             keep_top(view, top)
@@ -265,7 +265,6 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     under the root; its slots are sparse enough that GSD and the dev rule get them packed, `packed_slots`), with
     top-6 targets whose zeros the drafts often hit, and with image-end limits that leave slots untested."""
     vocab, compared = 12, 0
-    wide = tuple((c,) for c in range(6)) + tuple((p, c) for p in range(3) for c in range(4)) + ((0, 0, 0), (0, 0, 1))
     embeddings = torch.randn(vocab, 2, generator=torch.Generator().manual_seed(3))
     rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled") or hasattr(r, "own_chain")]
     rules += [CascadeDevRule(nucleus=m, sim_threshold=0.1, pair_threshold=0.2) for m in (0.3, 0.7)]
@@ -275,13 +274,15 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     rules += [LanternRule(neighbours=neighbours, k=k, delta=d) for k, d in ((2, 0.05), (6, 0.5))]
     rules += [LanternRule(neighbours=neighbours, k=k, lam=lam) for k, lam in ((2, 1.5), (5, 4.0))]
     assert {type(r) for r in rules} == {ExactRule, CascadeRule, CascadeDevRule, GSDRule, GSDBlocksRule, LanternRule}
-    for paths, seed, top in itertools.product((SMALL_TREE, wide), range(4), (None, 6)):
+    for paths, seed, top in itertools.product((SMALL_TREE, WIDE_TREE), range(4), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=True, seed=seed)
         if top is not None:
             keep_top(view, top)
         inputs = prepare_tree(tree, view, torch.tensor([3, 2, 1, 0, 3, 2, 1, 3]))
         assert (inputs.tables.has_child & ~inputs.usable).any()  # some drafted slots are past the limit
-        assert (packed_slots(inputs) is not None) == (paths is wide)  # the packed path is compared on the wide tree
+        assert (packed_slots(inputs) is not None) == (
+            paths is WIDE_TREE
+        )  # the packed path is compared on the wide tree
         compared += closed_forms_match_the_slot_loop(rules, inputs)
     assert compared == 2 * 4 * 2 * len(rules)
 
