@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ON_ERROR = ("raise", "skip")
+FEATURE_SOURCES = ("offline", "online")
 
 
 class SkippedSamplesWarning(UserWarning):
@@ -33,10 +34,15 @@ class DataConfig:
     """Load the EAGLE-3 auxiliary streams (EAGLE-3 drafters need them; EAGLE-1 does not)."""
     load_uncond: bool = False
     """Load the unconditional features: uncond_hidden, and uncond_aux too when load_aux is on and the dataset has it."""
+    features: str = "offline"
+    """offline: read the target's states from the shards; online: read only the tokens and let the training step
+    recompute the states with the frozen target (token-only datasets need it; full ones allow it)."""
     on_error: str = "raise"
     """raise: a corrupt or truncated shard stops training with its name; skip: warn, pad and count."""
 
     def __post_init__(self) -> None:
+        if self.features not in FEATURE_SOURCES:
+            raise ValueError(f"data.features={self.features!r}; use one of {', '.join(FEATURE_SOURCES)}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error={self.on_error!r}; use one of {', '.join(ON_ERROR)}")
         for name in ("batch_size", "shuffle_buffer"):

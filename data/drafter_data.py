@@ -33,7 +33,7 @@ class DrafterDataModule(FeatureDataModule):
 
     Args:
         train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
-            load_uncond, on_error: see `data.data_config.DataConfig`.
+            load_uncond, features, on_error: see `data.data_config.DataConfig`.
         target: registry name of the target the features must come from (linked to model.target by fit.py).
         target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
         extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
@@ -53,6 +53,7 @@ class DrafterDataModule(FeatureDataModule):
         seed: int = 0,
         load_aux: bool = True,
         load_uncond: bool = False,
+        features: str = "offline",
         on_error: str = "raise",
         target: str = "toy",
         target_options: dict[str, Any] | None = None,
@@ -69,6 +70,7 @@ class DrafterDataModule(FeatureDataModule):
             seed=seed,
             load_aux=load_aux,
             load_uncond=load_uncond,
+            features=features,
             on_error=on_error,
         )
         L.LightningDataModule.__init__(self)  # FeatureDataModule's init wants the target; it loads in setup
@@ -96,7 +98,10 @@ class DrafterDataModule(FeatureDataModule):
             )
         from data.extract import load_config, run_extraction
 
-        overrides = [*dotted_overrides(self.extract_overrides), f"out_dir={self.config.train_dir}",
+        recipe = dict(self.extract_overrides)
+        if self.config.features == "online":  # the training step computes the states: store tokens only
+            recipe.setdefault("features", "tokens")
+        overrides = [*dotted_overrides(recipe), f"out_dir={self.config.train_dir}",
                      f"target={self.target_name}", f"target_options={json.dumps(self.target_options)}"]  # fmt: skip
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")

@@ -66,7 +66,7 @@ from data.shards import (
 from data.validate import validate_dataset
 from inference.autoregressive import generate_ar
 from models.registry import load_target
-from models.target import ImageTarget, SamplingDefaults
+from models.target import ImageTarget, SamplingDefaults, teacher_forced_states
 
 WORK_DIR = ".extract"
 """Sub-folder of the output holding the job description and one sidecar per finished shard."""
@@ -85,44 +85,24 @@ def extract_batch(
     generator: torch.Generator,
     store_aux: bool = True,
     store_uncond: bool = False,
+    features: str = "full",
 ) -> dict[str, Tensor]:
-    """Sample one image per prompt, then record the features that predicted each of its tokens.
+    """Sample one image per prompt, then (features "full") record the states that predicted each of its tokens.
 
     Returns:
-        tokens (B, G) int64, hidden (B, G, D) and optionally aux (B, G, 3D) (store_aux), uncond_hidden
-        (B, G, D) (store_uncond) and uncond_aux (B, G, 3D) (both), in the target's dtype. Row j predicts
-        token j: image_head(hidden[:, j]) gives its conditional logits, image_head(uncond_hidden[:, j])
-        its unconditional ones.
+        tokens (B, G) int64; with features "full" also hidden (B, G, D) and optionally aux (B, G, 3D)
+        (store_aux), uncond_hidden (B, G, D) (store_uncond) and uncond_aux (B, G, 3D) (both), in the
+        target's dtype, from `teacher_forced_states`. Row j predicts token j: image_head(hidden[:, j])
+        gives its conditional logits, image_head(uncond_hidden[:, j]) its unconditional ones.
     """
     cfg = settings.cfg_scale != 1.0
-    if store_uncond and not cfg:
+    if store_uncond and not cfg and features == "full":
         raise ValueError("store_uncond needs CFG, but cfg_scale is 1.0; set cfg_scale or store_uncond: false")
     tokens = generate_ar(target, prompts, settings, generator).tokens  # (B, G)
-    num_prompts, num_tokens = tokens.shape
-    conditioning = target.condition(prompts, cfg=cfg)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + num_tokens)
-    first = target.prefill(conditioning, cache, return_aux=store_aux)  # its last slot predicts token 0
-    hidden = [first.hidden[:, -1:]]  # (R, 1, D)
-    aux = [first.aux[:, -1:]] if store_aux and first.aux is not None else []  # (R, 1, 3D)
-    if num_tokens > 1:
-        rows = tokens[:, :-1].repeat(2 if cfg else 1, 1)  # (R, G-1): the same tokens in both halves
-        positions = target.image_positions(torch.arange(num_tokens - 1, device=tokens.device))
-        rest = target.forward(rows, positions, cache, return_aux=store_aux)  # hidden (R, G-1, D)
-        hidden.append(rest.hidden)
-        if store_aux and rest.aux is not None:
-            aux.append(rest.aux)
-    states = torch.cat(hidden, dim=1)  # (R, G, D)
-    out = {"tokens": tokens, "hidden": states[:num_prompts]}
-    if store_aux:
-        if not aux:
-            raise ValueError(f"target {target.name!r} returned no auxiliary streams; set store_aux: false")
-        streams = torch.cat(aux, dim=1)  # (R, G, 3D)
-        out["aux"] = streams[:num_prompts]  # (B, G, 3D)
-    if store_uncond:
-        out["uncond_hidden"] = states[num_prompts:]  # (B, G, D)
-        if store_aux:
-            out["uncond_aux"] = streams[num_prompts:]  # (B, G, 3D)
-    return out
+    if features == "tokens":
+        return {"tokens": tokens}
+    states = teacher_forced_states(target, prompts, tokens, aux=store_aux, uncond=store_uncond)
+    return {"tokens": tokens, **states.fields()}
 
 
 @dataclass
@@ -148,11 +128,12 @@ def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
     prompts = load_prompts(config.prompts)
     settings = config.sampling_settings(target)
     widths = field_widths(TargetIdentity.from_target(target))
+    full = config.features == "full"
     stored = {
-        "hidden": True,
-        "aux": config.store_aux,
-        "uncond_hidden": config.store_uncond,
-        "uncond_aux": config.store_aux and config.store_uncond,
+        "hidden": full,
+        "aux": full and config.store_aux,
+        "uncond_hidden": full and config.store_uncond,
+        "uncond_aux": full and config.store_aux and config.store_uncond,
     }
     fields = {"tokens": FieldSpec("int16" if target.image_vocab_size <= 2**15 else "int32", None)}
     fields.update({name: FieldSpec(config.feature_dtype, widths[name]) for name, on in stored.items() if on})
@@ -168,6 +149,7 @@ def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
             "with derive_seed(seed, first sample index of the batch)",
         },
         prompts={**config.prompts.describe(), "num_prompts": len(prompts), "sha256": texts},
+        features=config.features,
         fields=fields,
         num_tokens=target.geometry.num_tokens,
         samples_per_shard=config.samples_per_shard,
@@ -195,6 +177,7 @@ def _write_shard(job: _Job, target: ImageTarget, index: int, bar: tqdm, bytes_be
                 generator,
                 job.config.store_aux,
                 job.config.store_uncond,
+                job.config.features,
             )
             arrays = {name: tensor.float().cpu().numpy() for name, tensor in out.items() if name != "tokens"}
             arrays = {name: _cast_checked(array, dtype, name, start) for name, array in arrays.items()}
@@ -255,8 +238,10 @@ def _shard_info(out_dir: Path, index: int, first_index: int) -> ShardInfo | None
 def _check_or_write_header(job: _Job) -> None:
     path = Path(job.config.out_dir) / WORK_DIR / "job.json"
     text = job.header.to_json()
-    if path.exists() and path.read_text() != text:
-        old, new = json.loads(path.read_text()), json.loads(text)
+    old, new = (json.loads(path.read_text()) if path.exists() else None), json.loads(text)
+    if old is not None:
+        old.setdefault("features", "full")  # job files written before the field existed
+    if old is not None and old != new:
         changed = [k for k in new if old.get(k) != new.get(k)]
         raise ValueError(
             f"{job.config.out_dir} holds an extraction with different settings ({', '.join(changed)} "
@@ -334,7 +319,8 @@ def run_extraction(
     if todo:
         seconds, count = time.perf_counter() - started, sum(len(job.shard_range(i)) for i in todo)
         print(
-            f"rank {rank}: wrote {count} samples in {len(todo)} shards, {written / 1e6:.1f} MB, in {seconds:.1f} s "
+            f"rank {rank}: wrote {count} samples in {len(todo)} shards, {written / 1e6:.1f} MB "
+            f"({written / count / 1e3:.1f} KB per sample, features: {config.features}), in {seconds:.1f} s "
             f"({count / seconds:.2f} samples/s); {len(mine) - len(todo)} shards were already done",
             file=sys.stderr,
         )

@@ -20,6 +20,7 @@ from data.prompts import PromptSetConfig
 from models.target import ImageTarget, SamplingDefaults
 
 FEATURE_DTYPES = ("float16", "float32")
+FEATURE_MODES = ("full", "tokens")
 
 
 @dataclass(kw_only=True)
@@ -43,6 +44,10 @@ class ExtractConfig:
     """Prompts per generate_ar call; part of the seeding rule, so changing it changes the samples."""
     seed: int = 0
     """Base seed; each batch's generator is seeded by derive_seed(seed, first sample index)."""
+    features: str = "full"
+    """full: the image tokens and the target's states (hidden, and store_aux / store_uncond's streams);
+    tokens: only what a teacher-forced forward needs (image tokens, prompt, sampling record), for training
+    with `data.features: online`, which recomputes the states in the training step (a few KB per sample)."""
     store_aux: bool = True
     """Record the EAGLE-3 auxiliary streams (L, 3D)."""
     store_uncond: bool = False
@@ -61,6 +66,8 @@ class ExtractConfig:
         for name in ("samples_per_prompt", "samples_per_shard", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.features not in FEATURE_MODES:
+            raise ValueError(f"features={self.features!r}; use one of {', '.join(FEATURE_MODES)} (--features tokens)")
         if self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"feature_dtype={self.feature_dtype!r}; use one of {', '.join(FEATURE_DTYPES)}")
 

@@ -32,6 +32,8 @@ FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
 """Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
 TOKEN_DTYPES = ("int16", "int32", "int64")
 FLOAT_DTYPES = ("float16", "float32")
+FEATURE_MODES = ("full", "tokens")
+"""What a dataset's samples hold: `full` the target's states too, `tokens` only what a teacher-forced forward needs."""
 
 
 def _fix(source: str) -> str:
@@ -231,6 +233,9 @@ class Manifest:
     """The sampling settings and seeding rule extraction used."""
     prompts: dict[str, Any]
     """The prompt set's description (source, path, split, count, ...)."""
+    features: str = "full"
+    """FEATURE_MODES: `tokens` datasets hold only `tokens` (train them with data.features: online);
+    manifests written before the field existed are `full`."""
     fields: dict[str, FieldSpec]
     num_tokens: int
     """G, the image tokens per image; a sample's length L never exceeds it."""
@@ -258,9 +263,15 @@ class Manifest:
                 known = ", ".join(FEATURE_FIELDS)
                 raise read.error(f"'fields' lists the unknown field {name!r} (known fields: {known})")
             fields[name] = FieldSpec.from_dict(name, spec, source)
-        for name in ("tokens", "hidden"):
+        features = read.get("features", "full")
+        if features not in FEATURE_MODES:
+            raise read.error(f"field 'features' is {_kind(features)}, expected one of {', '.join(FEATURE_MODES)}")
+        for name in ("tokens", "hidden") if features == "full" else ("tokens",):
             if name not in fields:
                 raise read.error(f"'fields' lacks the required field {name!r}")
+        if features == "tokens" and set(fields) != {"tokens"}:
+            extra = sorted(set(fields) - {"tokens"})
+            raise read.error(f"'features' is 'tokens', but 'fields' also lists {extra}; token-only datasets hold tokens")
         shards = read.get("shards", [])
         if not isinstance(shards, list):
             raise read.error(f"field 'shards' is {_kind(shards)}, expected a list")
@@ -274,6 +285,7 @@ class Manifest:
             target=TargetIdentity.from_dict(read.get("target"), source),
             sampling=read.obj("sampling"),
             prompts=read.obj("prompts"),
+            features=features,
             fields=fields,
             num_tokens=read.integer("num_tokens", minimum=1),
             samples_per_shard=read.integer("samples_per_shard", minimum=1),

@@ -113,13 +113,26 @@ class ShardStream(IterableDataset):
         )
         source = str(Path(folder) / MANIFEST_NAME)
         manifest.check_consistent(source)  # widths, counts, and sample ranges that overlap (keys would repeat)
+        self.online_fields: list[str] = []
+        """Streams the training step computes from the tokens (data.features: online), in FEATURE_FIELDS order."""
+        if config.features == "online":
+            if config.load_uncond and config.load_aux:
+                wanted.add("uncond_aux")
+            self.online_fields = [name for name in FEATURE_FIELDS if name in wanted - {"tokens"}]
+            wanted = {"tokens"}
+        elif manifest.features == "tokens":
+            raise ManifestError(
+                f"{source}: the dataset holds image tokens only (extracted with features: tokens), and "
+                f"data.features is {config.features!r}: train it with --data.features online (the target "
+                "recomputes the features in the training step), or extract with --features full"
+            )
         missing = sorted(wanted - set(manifest.fields))
         if missing:
             raise ManifestError(
                 f"{source}: the dataset has no {missing} features (it holds {sorted(manifest.fields)}); "
                 "set load_aux / load_uncond to false or re-extract with store_aux / store_uncond"
             )
-        if config.load_uncond and config.load_aux and "uncond_aux" in manifest.fields:
+        if config.load_uncond and config.load_aux and "uncond_aux" in manifest.fields and not self.online_fields:
             wanted.add("uncond_aux")  # optional: datasets extracted before it existed lack it
         if not shards:
             raise ManifestError(f"{source}: no shards to read (check num_val_shards against its shard count)")
@@ -200,6 +213,8 @@ class ShardStream(IterableDataset):
 
     def _collate(self, chunk: list[dict[str, Any] | None], pool: BufferPool) -> dict[str, Any]:
         batch = collate_samples(chunk, self.fields, self.manifest.num_tokens, pool)
+        if self.online_fields:
+            batch["online_fields"] = list(self.online_fields)  # training/online_features.py fills them in
         for sample in chunk:  # the batch owns copies now; the samples' views die with `chunk`
             if sample is not None:
                 pool.give(sample.pop("__buffers__", []))

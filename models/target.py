@@ -259,3 +259,70 @@ class DecoderTarget(ImageTarget):
     def output(self, hidden: Tensor, aux: Tensor | None, logits_at: Tensor | None) -> TargetOutput:
         """The `TargetOutput` of a decoder pass: hidden (R, T, D) -> the head's logits at `logits_at` (or all T)."""
         return TargetOutput(self.image_head(hidden if logits_at is None else hidden[:, logits_at]), hidden, aux)
+
+
+@dataclass
+class TeacherForcedStates:
+    """The states a target computes over given image tokens: what extraction records and online training recomputes.
+
+    Row j of every tensor is the state at the position whose logits give image token j.
+    """
+
+    hidden: Tensor  # (B, L, D) conditional rows' last-layer post-norm state
+    aux: Tensor | None = None  # (B, L, 3D) conditional rows' EAGLE-3 low, mid and high streams
+    uncond_hidden: Tensor | None = None  # (B, L, D) unconditional rows' last-layer state
+    uncond_aux: Tensor | None = None  # (B, L, 3D) unconditional rows' EAGLE-3 streams
+
+    def fields(self) -> dict[str, Tensor]:
+        """The computed streams by shard field name (`hidden`, `aux`, `uncond_hidden`, `uncond_aux`)."""
+        named = {"hidden": self.hidden, "aux": self.aux, "uncond_hidden": self.uncond_hidden}
+        named["uncond_aux"] = self.uncond_aux
+        return {name: value for name, value in named.items() if value is not None}
+
+
+@torch.no_grad()
+def teacher_forced_states(
+    target: ImageTarget, prompts: list[str], tokens: Tensor, aux: bool = True, uncond: bool = False
+) -> TeacherForcedStates:
+    """One teacher-forced pass of `target` over sampled image tokens: prefill, then every token but the last at once.
+
+    The state at image position j depends only on the prompt and tokens 0..j-1, so this reproduces the
+    states the sampler saw while it generated `tokens`, row for row, whatever else is in the batch
+    (the conditioning of a row never depends on the other rows). Extraction stores them; online
+    training (`data.features: online`) recomputes them from token-only shards.
+
+    Args:
+        target: the frozen target.
+        prompts: B prompt texts, as the target's `condition` consumes them.
+        tokens: (B, L) int64 image tokens, L <= G; padding past a sample's length changes none of its states.
+        aux: also return the EAGLE-3 auxiliary streams.
+        uncond: also return the unconditional (CFG) rows' states, from [cond; uncond] rows in one pass.
+
+    Returns:
+        The states in the target's dtype, on its device (no logits: the head runs on no row).
+    """
+    num_prompts, length = tokens.shape
+    if len(prompts) != num_prompts:
+        raise ValueError(f"{len(prompts)} prompts for {num_prompts} rows of image tokens")
+    conditioning = target.condition(prompts, cfg=uncond)
+    cache = target.allocate_cache(conditioning.rows, target.prefix_length + length)
+    first = target.prefill(conditioning, cache, return_aux=aux)  # its last slot predicts token 0
+    hidden, streams = [first.hidden[:, -1:]], [first.aux[:, -1:]] if aux and first.aux is not None else []
+    if length > 1:
+        rows = tokens[:, :-1].to(target.device).repeat(2 if uncond else 1, 1)  # (R, L-1): both halves alike
+        positions = target.image_positions(torch.arange(length - 1, device=target.device))
+        no_logits = torch.zeros(0, dtype=torch.long, device=target.device)
+        rest = target.forward(rows, positions, cache, return_aux=aux, logits_at=no_logits)  # hidden (R, L-1, D)
+        hidden.append(rest.hidden)
+        if aux and rest.aux is not None:
+            streams.append(rest.aux)
+    if aux and not streams:
+        raise ValueError(f"target {target.name!r} returned no auxiliary streams; ask for aux=False")
+    states = torch.cat(hidden, dim=1)  # (R, L, D)
+    stacked = torch.cat(streams, dim=1) if aux else None  # (R, L, 3D)
+    cond = slice(0, num_prompts)
+    out = TeacherForcedStates(hidden=states[cond], aux=None if stacked is None else stacked[cond])
+    if uncond:
+        out.uncond_hidden = states[num_prompts:]
+        out.uncond_aux = None if stacked is None else stacked[num_prompts:]
+    return out

@@ -11,7 +11,9 @@ trainer's data module for it.
 The drafter (`models.eagle.EagleDraftModel`) is built in `configure_model` from its config alone,
 so checkpoints load without the target, and strategies that shard parameters (DeepSpeed ZeRO-3)
 see it at the right time. The target is loaded in `setup` and kept outside the module tree
-(`self.frozen_target` is a plain attribute): the strategy never wraps, trains or saves it.
+(`self.frozen_target` is a plain attribute): the strategy never wraps, trains or saves it. With
+`data.features: online` it also computes each batch's states from its tokens before the step
+(`on_after_batch_transfer`, `training.online_features`).
 
 Every step's randomness (input noise, branch choice) comes from a generator seeded by
 (seed, global step, rank), so a run resumed from a checkpoint draws exactly what an uninterrupted
@@ -40,6 +42,7 @@ from models.eagle import EagleDraftModel, count_parameters, drafter_preset
 from models.registry import shared_target
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
+from training.online_features import fill_online_features
 from training.vocab import build_vocab_map
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -212,6 +215,13 @@ class DrafterSystem(L.LightningModule):
         return drafter_objective(
             self.drafter, self.frozen_target, batch, self.objective, training=training, generator=generator
         )
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Online features (`data.features: online`): the frozen target computes the batch's states from its tokens."""
+        if isinstance(batch, dict) and batch.get("online_fields"):
+            assert self.frozen_target is not None, "setup() loads the target"
+            batch = fill_online_features(self.frozen_target, batch)
+        return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()

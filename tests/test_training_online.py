@@ -1,0 +1,169 @@
+"""Online features equal offline ones: token-only shards plus the target's teacher-forced forward in the training step.
+
+On every target family's tiny stand-in (the toy's LlamaGen, transformers' Janus and Chameleon/Lumina,
+LlamaGen t2i with T5), one small extraction is made twice from the same recipe and seed: `features:
+full` (tokens and float16 states) and `features: tokens`. Then:
+
+- the two hold the same tokens and prompts, sample for sample;
+- the streams the training step computes online (from either folder) equal the stored ones within
+  the float16 tolerance below, and the same comparison fails when the online forward sees the image
+  tokens shifted by one position (the mutation the tolerance must catch);
+- a few Lightning training steps from one seed give equal losses, offline against online.
+
+Tolerance of the streams: extraction computes in float32 and rounds to float16, whose round-to-nearest
+error is at most 2^-11 |x| for normal values; the online forward runs the same float32 computation
+once more, but batched differently (other rows, other padding, no logits), which moves values by
+float32 rounding, about 1e-6 of the row's magnitude. So |online - stored| <= 2^-11 |online| + 1e-5
+max|online| holds, and a shifted sequence misses it by orders of magnitude.
+
+Tolerance of the losses: the drafter reads inputs that differ by that float16 rounding (relative
+2^-11 at most, zero-mean), which averages out over a batch's thousands of elements: the first
+step's losses differ by at most 4e-6 relative on the four families (measured; `FIRST_LOSS_RTOL`
+allows 1e-5). Later steps add AdamW's sensitivity: its first updates are nearly lr x sign(gradient),
+so a gradient entry near zero can flip sign with the inputs' rounding; measured at lr 3e-3, the
+tiny LlamaGen's steps 1-2 differ by 3e-4 relative (the others by at most 2e-6), and at lr 1e-2 by
+1.6e-3. `LOSS_RTOL` allows 1e-3 at lr 3e-3, while every step moves the loss by more than 5e-3
+relative (checked), so a run that diverged or stood still would fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from test_targets_end_to_end import FAMILIES
+
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
+from data.drafter_data import DrafterDataModule
+from data.extract import ExtractConfig, run_extraction
+from data.prompts import PromptSetConfig
+from data.shards import ManifestError, load_manifest
+from models import registry
+from models.registry import shared_target
+from training.objective import ObjectiveConfig
+from training.online_features import fill_online_features
+from training.system import DrafterSystem, OptimizerConfig
+
+STREAMS = ("hidden", "aux", "uncond_hidden", "uncond_aux")
+FLOAT16_RTOL = 2.0**-11  # float16 round-to-nearest, relative
+BATCHING_ATOL = 1e-5  # float32 rounding of a differently batched forward, relative to the stream's magnitude
+FIRST_LOSS_RTOL = 1e-5
+LOSS_RTOL = 1e-3
+STEPS = 3
+
+
+def extract(target: Any, out_dir: Path, features: str) -> Path:
+    config = ExtractConfig(out_dir=str(out_dir), prompts=PromptSetConfig(source="toy", count=8), samples_per_shard=4,
+                           batch_size=4, seed=1, store_aux=True, store_uncond=True, features=features)  # fmt: skip
+    assert run_extraction(config, target=target, rank=0, world_size=1, progress=False) is not None
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(name, target, full dataset, token-only dataset), the target registered under its name."""
+    name = request.param
+    patch = pytest.MonkeyPatch()
+    patch.setitem(registry.TARGET_LOADERS, name, lambda **kwargs: FAMILIES[name]())
+    shared_target.cache_clear()
+    target = shared_target(name)
+    folder = tmp_path_factory.mktemp(name)
+    yield name, target, extract(target, folder / "full", "full"), extract(target, folder / "tokens", "tokens")
+    shared_target.cache_clear()
+    patch.undo()
+
+
+def batches(target: Any, folder: Path, features: str) -> list[dict[str, Any]]:
+    """One epoch of batches of 3 (the last has 2 samples and a padding row), in the stream's order."""
+    config = DataConfig(train_dir=str(folder), batch_size=3, load_uncond=True, features=features)
+    data = FeatureDataModule(config, target=target)
+    data.setup("fit")
+    return list(data.train_dataloader())
+
+
+def stream_excess(stored: torch.Tensor, online: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest amount by which |online - stored| exceeds the tolerance over real rows (<= 0: within it)."""
+    stored, online = stored.float()[mask], online.float()[mask]  # (N, width)
+    bound = FLOAT16_RTOL * online.abs() + BATCHING_ATOL * online.abs().max()
+    return float(((online - stored).abs() - bound).max())
+
+
+def test_token_only_shards_hold_the_tokens_and_prompts_of_the_full_extraction(family) -> None:
+    name, target, full, tokens = family
+    manifest, token_manifest = load_manifest(full), load_manifest(tokens)
+    assert (manifest.features, token_manifest.features) == ("full", "tokens")
+    assert set(token_manifest.fields) == {"tokens"}
+    assert set(manifest.fields) == {"tokens", *STREAMS}
+    full_batches, token_batches = batches(target, full, "online"), batches(target, tokens, "online")
+    for a, b in zip(full_batches, token_batches, strict=True):
+        assert a["keys"] == b["keys"] and a["prompts"] == b["prompts"]
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    assert sum(info.num_bytes for info in token_manifest.shards) < sum(info.num_bytes for info in manifest.shards)
+
+
+@pytest.mark.parametrize("source", ["full", "tokens"])
+def test_online_streams_equal_the_stored_ones_and_shifted_tokens_do_not(family, source: str) -> None:
+    name, target, full, tokens = family
+    stored = batches(target, full, "offline")
+    online = batches(target, full if source == "full" else tokens, "online")
+    assert len(stored) == len(online) == 3
+    for offline_batch, online_batch in zip(stored, online, strict=True):
+        assert online_batch["online_fields"] == list(STREAMS)
+        assert not any(stream in online_batch for stream in STREAMS)  # only tokens were read
+        assert offline_batch["keys"] == online_batch["keys"]
+        mask = offline_batch["loss_mask"]
+        shifted = dict(online_batch, tokens=online_batch["tokens"].roll(1, dims=1))  # the mutation
+        computed = fill_online_features(target, dict(online_batch))
+        wrong = fill_online_features(target, shifted)
+        for stream in STREAMS:
+            assert computed[stream].dtype == target.image_head_weight().dtype
+            assert computed[stream].shape == offline_batch[stream].shape
+            excess = stream_excess(offline_batch[stream], computed[stream], mask)
+            assert excess <= 0, f"{name} {stream}: online exceeds the float16 tolerance by {excess:.3g}"
+            # tokens shifted by one position: the states of every position after the first move
+            assert stream_excess(offline_batch[stream], wrong[stream], mask) > 0, f"{name} {stream}: shift unseen"
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_losses(name: str, target: Any, folder: Path, features: str) -> list[float]:
+    drafter = {"hidden_size": target.hidden_size, "target_hidden_size": target.hidden_size,
+               "vocab_size": target.image_vocab_size, "num_heads": 2, "num_kv_heads": 2,
+               "intermediate_size": 64}  # fmt: skip
+    system = DrafterSystem(target=name, architecture="eagle3", preset="tiny", drafter=drafter, seed=3,
+                           objective=ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0),
+                           optimizer=OptimizerConfig(lr=3e-3))  # fmt: skip
+    data = DrafterDataModule(train_dir=str(folder), batch_size=4, target=name, load_uncond=True, features=features)
+    recorder = LossRecorder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder])  # fmt: skip
+    trainer.fit(system, datamodule=data)
+    return recorder.losses
+
+
+def test_training_steps_give_equal_losses_offline_and_online(family) -> None:
+    name, target, full, tokens = family
+    offline = torch.tensor(fit_losses(name, target, full, "offline"), dtype=torch.float64)
+    online = torch.tensor(fit_losses(name, target, tokens, "online"), dtype=torch.float64)
+    assert len(offline) == STEPS
+    assert ((offline[1:] - offline[:-1]).abs() > 5 * LOSS_RTOL * offline[:-1].abs()).all(), offline  # it trains
+    torch.testing.assert_close(online[0], offline[0], rtol=FIRST_LOSS_RTOL, atol=0)  # the inputs alone
+    torch.testing.assert_close(online, offline, rtol=LOSS_RTOL, atol=0)
+
+
+def test_a_token_only_dataset_in_offline_mode_names_the_mode_and_the_flag(family) -> None:
+    name, target, full, tokens = family
+    with pytest.raises(ManifestError, match=r"image tokens only.*features: tokens.*--data.features online"):
+        batches(target, tokens, "offline")
