@@ -271,7 +271,7 @@ class Manifest:
                 raise read.error(f"'fields' lacks the required field {name!r}")
         if features == "tokens" and set(fields) != {"tokens"}:
             extra = sorted(set(fields) - {"tokens"})
-            raise read.error(f"'features' is 'tokens', but 'fields' also lists {extra}; token-only datasets hold tokens")
+            raise read.error(f"'features' is 'tokens', but 'fields' also lists {extra}; token-only sets hold tokens")
         shards = read.get("shards", [])
         if not isinstance(shards, list):
             raise read.error(f"field 'shards' is {_kind(shards)}, expected a list")
