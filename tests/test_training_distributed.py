@@ -28,6 +28,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import build_tiny_toy_target
+from test_training_online import FIRST_LOSS_RTOL, LOSS_RTOL
 
 from data.drafter_data import DrafterDataModule
 from models import registry
@@ -85,6 +86,12 @@ def fits(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         results[strategy] = {**json.loads(out.read_text()), "wall_s": wall}
         result = results[strategy]
         print(f"{strategy}: {wall:.1f} s wall, fit {result['fit_s']:.1f} s, {result['losses']}, {result['grad_norms']}")
+    # online features under DDP: each rank's target recomputes the stored states of its half of the batch
+    out = tmp / "ddp_online.json"
+    script = [sys.executable, str(SCRIPTS / "fit_distributed.py"), "--strategy", "ddp", "--features", "online"]
+    wall = run([*script, "--data", str(tiny_dataset), "--out", str(out), "--steps", str(STEPS)], env)
+    results["ddp_online"] = {**json.loads(out.read_text()), "wall_s": wall}
+    print(f"ddp_online: {wall:.1f} s wall, {results['ddp_online']['losses']}")
     extensions = tmp / "torch_extensions"
     results["compiled"] = {"ops": sorted(p.name for p in extensions.iterdir()) if extensions.exists() else []}
     return results
@@ -108,6 +115,16 @@ def test_loss_curves_agree_across_single_ddp_and_deepspeed(fits: dict[str, dict[
         torch.testing.assert_close(
             norms[strategy], norms["single"], rtol=RTOL, atol=0, msg=lambda m, s=strategy: f"{s} grad norms: {m}"
         )
+
+
+def test_online_features_under_ddp_give_the_single_process_offline_curve(fits: dict[str, dict[str, Any]]) -> None:
+    """Tolerances as in test_training_online.py: float16 storage of the offline states, AdamW's first updates."""
+    online, single = fits["ddp_online"], fits["single"]
+    assert (online["features"], online["world_size"], online["steps"]) == ("online", 2, STEPS)
+    losses = torch.tensor(online["losses"], dtype=torch.float64)
+    reference = torch.tensor(single["losses"], dtype=torch.float64)
+    torch.testing.assert_close(losses[0], reference[0], rtol=FIRST_LOSS_RTOL, atol=0)
+    torch.testing.assert_close(losses, reference, rtol=LOSS_RTOL, atol=0)
 
 
 def test_decode_validation_splits_prompts_across_ranks_and_reduces(fits: dict[str, dict[str, Any]]) -> None:

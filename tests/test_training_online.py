@@ -39,6 +39,7 @@ from test_targets_end_to_end import FAMILIES
 
 from data.data_config import DataConfig
 from data.datamodule import FeatureDataModule
+from data.disk import SampleShape, sample_bytes
 from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
@@ -103,7 +104,15 @@ def test_token_only_shards_hold_the_tokens_and_prompts_of_the_full_extraction(fa
     for a, b in zip(full_batches, token_batches, strict=True):
         assert a["keys"] == b["keys"] and a["prompts"] == b["prompts"]
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-    assert sum(info.num_bytes for info in token_manifest.shards) < sum(info.num_bytes for info in manifest.shards)
+    # data.disk's formula (the README's disk table) against the bytes written: exact up to the json member's
+    # length and each shard's end (two zero blocks and the padding to a 10 KB tar record)
+    shape = SampleShape(name, target.geometry.num_tokens, target.hidden_size, len(target.aux_layer_ids),
+                        target.image_vocab_size)  # fmt: skip
+    for found, features in ((manifest, "full"), (token_manifest, "tokens")):
+        written = sum(info.num_bytes for info in found.shards)
+        formula = found.num_samples * sample_bytes(shape, features)
+        slack = len(found.shards) * 10240 + found.num_samples * 512
+        assert formula - slack <= written <= formula + slack, (features, written, formula)
 
 
 @pytest.mark.parametrize("source", ["full", "tokens"])
@@ -167,3 +176,47 @@ def test_a_token_only_dataset_in_offline_mode_names_the_mode_and_the_flag(family
     name, target, full, tokens = family
     with pytest.raises(ManifestError, match=r"image tokens only.*features: tokens.*--data.features online"):
         batches(target, tokens, "offline")
+
+
+def test_an_online_fit_loads_the_target_once_and_never_trains_or_saves_it(tmp_path: Path) -> None:
+    """Training step, DataModule and DecodeValidation share one target; it stays outside parameters and checkpoints."""
+    from conftest import build_tiny_toy_target
+
+    from training.callbacks import DecodeValidation
+
+    loads: list[str] = []
+
+    def load(**kwargs: Any) -> Any:
+        loads.append("tiny-toy")
+        return build_tiny_toy_target()
+
+    patch = pytest.MonkeyPatch()
+    patch.setitem(registry.TARGET_LOADERS, "tiny-toy", load)
+    shared_target.cache_clear()
+    try:
+        folder = extract(build_tiny_toy_target(), tmp_path / "tokens", "tokens")
+        system = DrafterSystem(target="tiny-toy", architecture="eagle3", preset="tiny",
+                               objective=ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0))  # fmt: skip
+        data = DrafterDataModule(train_dir=str(folder), num_val_shards=1, batch_size=2, target="tiny-toy",
+                                 load_uncond=True, features="online")  # fmt: skip
+        decode = DecodeValidation(rules=["exact"], num_prompts=2, top_k=2, depth=2, total_tokens=4, log_images=False)
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path, callbacks=[decode])  # fmt: skip
+        trainer.fit(system, datamodule=data)
+        trainer.save_checkpoint(tmp_path / "last.ckpt")
+    finally:
+        shared_target.cache_clear()
+        patch.undo()
+    assert trainer.global_step == 2 and "decode/tau_exact" in trainer.callback_metrics
+    assert loads == ["tiny-toy"]  # one target for the step, the DataModule and the decoding callback
+    target = system.frozen_target
+    assert target is not None and not target.network.training
+    target_parameters = {id(p) for p in target.network.parameters()}
+    assert not any(p.requires_grad for p in target.network.parameters())
+    assert not target_parameters & {id(p) for p in system.parameters()}
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in system.drafter.parameters() if p.requires_grad}
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert saved and all(key.startswith("model.") for key in saved)  # the drafter's weights only
+    assert sum(v.numel() for v in saved.values()) == sum(v.numel() for v in system.drafter.state_dict().values())

@@ -3,6 +3,7 @@
     python tests/scripts/fit_distributed.py --strategy single --data DIR --out OUT.json [--steps 3]
     python tests/scripts/fit_distributed.py --strategy ddp --data DIR --out OUT.json
     python tests/scripts/fit_distributed.py --strategy deepspeed_stage_2 --data DIR --out OUT.json
+    python tests/scripts/fit_distributed.py --strategy ddp --features online --data DIR --out OUT.json
 
 The run is made comparable across strategies: the dataset (tests/scripts/extract_tiny.py, the tiny
 random target "tiny-toy") must hold exactly 2 b samples, `single` trains batches of 2 b on one
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file rank 0 writes")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--features", choices=("offline", "online"), default="offline",
+                        help="online: the target recomputes the states from the tokens")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry.TARGET_LOADERS[TARGET] = lambda **kwargs: build_tiny_toy_target()
@@ -150,7 +153,13 @@ def main() -> None:
         seed=0,
     )
     data = DrafterDataModule(
-        train_dir=args.data, batch_size=batch_size, target=TARGET, load_aux=True, load_uncond=True, shuffle_buffer=4
+        train_dir=args.data,
+        batch_size=batch_size,
+        target=TARGET,
+        load_aux=True,
+        load_uncond=True,
+        shuffle_buffer=4,
+        features=args.features,
     )
     recorder = LossRecorder()
     trainer = L.Trainer(
@@ -180,6 +189,7 @@ def main() -> None:
     if trainer.is_global_zero:
         result = {
             "strategy": args.strategy,
+            "features": args.features,
             "world_size": trainer.world_size,
             "batch_size": batch_size,
             "steps": trainer.global_step,
