@@ -11,7 +11,8 @@ error of an element is at most 2^-4 (3 mantissa bits, round to nearest), down to
 below which e4m3fn's subnormals give an absolute error of at most 2^-10 * scale_r. The scale member
 is implied by the dtype; the manifest lists only the field.
 
-The casts are torch's own `torch.float8_e4m3fn` (round to nearest even), not bit manipulation. The
+The casts are torch's own `torch.float8_e4m3fn` (round to nearest even; dequantising looks codes up
+in a table of torch's cast of all 256 of them, `CODE_VALUES`), not bit manipulation. The
 reader (`data.shard_stream.collate_samples`) dequantises into float16 batches, so a scale must keep
 448 * scale below float16's overflow threshold (`MAX_SCALE`), and extraction refuses features
 beyond float16's range.
@@ -60,15 +61,24 @@ def quantize_rows(x: np.ndarray | Tensor) -> tuple[np.ndarray, np.ndarray]:
     return codes.numpy(), scales.numpy()
 
 
-def dequantize_rows(codes: np.ndarray, scales: np.ndarray) -> Tensor:
-    """codes (L, width) uint8 and scales (L,) float32 -> (L, width) float32 features: code * scale.
+CODE_VALUES: np.ndarray = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+"""(256,) float32: torch's float8_e4m3fn -> float32 cast of every code (NaN at 0x7F and 0xFF).
 
-    The arrays may be read-only views of shard bytes; those are copied first (torch needs writable
-    memory to wrap), which costs 1 byte per element beside the 4 of the float32 result.
+Dequantising looks codes up here instead of casting each time: the lookup is the same cast, done once.
+Measured on this project's 2-core CPU for a (4, 36, 384) batch: the table gather and multiply take
+~0.16 ms; torch's CPU cast alone ~0.27 ms on one thread and 1.2-4.9 ms with its two intra-op threads."""
+
+
+def dequantize_rows(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """codes (..., L, width) uint8 and scales (..., L) float32 -> (..., L, width) features: code * scale.
+
+    Args:
+        codes, scales: as `quantize_rows` returns them, or read-only views of a shard's members.
+        out: optional (..., L, width) array to write into, e.g. a float16 batch row (the float32
+            product is rounded to its dtype); else a new float32 array is returned.
     """
-    codes_t = torch.from_numpy(np.require(codes, requirements="W"))  # (L, width) uint8
-    scales_t = torch.from_numpy(np.require(scales, requirements="W"))  # (L,)
-    return codes_t.view(torch.float8_e4m3fn).float().mul_(scales_t[:, None])
+    values = CODE_VALUES[codes]  # (..., L, width) float32: the codes as float8 -> float32
+    return np.multiply(values, scales[..., None], out=out, casting="same_kind")
 
 
 def codes_problem(codes: np.ndarray) -> str | None:

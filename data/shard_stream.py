@@ -59,7 +59,7 @@ def collate_samples(
         view = out.numpy()
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
             if sample is not None and length and spec.dtype == FP8_DTYPE:  # codes * row scales, into float16
-                out[row, :length] = dequantize_rows(sample[name], sample[scale_member(name)])
+                dequantize_rows(sample[name], sample[scale_member(name)], out=view[row, :length])
             elif sample is not None and length:
                 view[row, :length] = sample[name]  # the one copy: from the tar bytes into the batch
             if length < longest:

@@ -8,8 +8,9 @@ size and sample count against the manifest, that its keys are the global sample 
 manifest gives it in order and unique in the dataset, and every sample as the DataModule decodes it
 (`decode_sample`: members, dtypes, shapes, lengths, NaN/Inf, token ids within the image vocabulary;
 for a float8_e4m3fn field its uint8 codes (no NaN code 0x7F/0xFF) and its `<field>_scale` member:
-(L,) float32, every scale finite, > 0 and small enough for the float16 batch) plus its metadata. Unlike the DataModule, which stops at the first problem, it goes on and reports
-them all, each naming the file (and key and field).
+(L,) float32, every scale finite, > 0 and small enough for the float16 batch) plus its metadata.
+Unlike the DataModule, which stops at the first problem, it goes on and reports them all, each naming
+the file (and key and field).
 """
 
 from __future__ import annotations
