@@ -50,6 +50,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from data.extract_config import ExtractConfig, load_config, split_dotted_flags
+from data.fp8 import FLOAT16_MAX, FP8_DTYPE, quantize_rows, scale_member
 from data.manifest import field_widths
 from data.prompts import Prompt, load_prompts
 from data.shard_reader import iter_raw_samples
@@ -163,7 +164,6 @@ def _write_shard(job: _Job, target: ImageTarget, index: int, bar: tqdm, bytes_be
     out_dir = Path(job.config.out_dir)
     indices = job.shard_range(index)
     writer = ShardWriter(out_dir / shard_name(index))
-    dtype = np.dtype(job.config.feature_dtype)
     try:
         for start in range(indices.start, indices.stop, job.config.batch_size):
             batch = range(start, min(start + job.config.batch_size, indices.stop))
@@ -179,8 +179,10 @@ def _write_shard(job: _Job, target: ImageTarget, index: int, bar: tqdm, bytes_be
                 job.config.store_uncond,
                 job.config.features,
             )
-            arrays = {name: tensor.float().cpu().numpy() for name, tensor in out.items() if name != "tokens"}
-            arrays = {name: _cast_checked(array, dtype, name, start) for name, array in arrays.items()}
+            arrays: dict[str, np.ndarray] = {}  # (B, G, width) features, and (B, G) row scales for float8
+            for name, tensor in out.items():
+                if name != "tokens":
+                    arrays.update(_cast_checked(tensor.float().cpu().numpy(), job.config.feature_dtype, name, start))
             tokens = out["tokens"].cpu().numpy().astype(job.header.fields["tokens"].dtype)
             for row, (sample, prompt) in enumerate(zip(batch, prompts, strict=True)):
                 meta = {
@@ -204,14 +206,37 @@ def _write_shard(job: _Job, target: ImageTarget, index: int, bar: tqdm, bytes_be
     return info
 
 
-def _cast_checked(array: np.ndarray, dtype: np.dtype, name: str, start: int) -> np.ndarray:
+def _cast_checked(array: np.ndarray, dtype: str, name: str, start: int) -> dict[str, np.ndarray]:
+    """A batch's feature `name` (B, G, width) float32 as stored: {name: cast} or, for float8_e4m3fn,
+    {name: (B, G, width) uint8 codes, "<name>_scale": (B, G) float32 row scales}.
+
+    Raises:
+        ValueError: if the cast holds NaN/Inf; for float8, if the features are not finite before
+            quantising or exceed float16's range (the reader dequantises into float16 batches).
+    """
+    if dtype == FP8_DTYPE:
+        where = f"field {name!r} of the batch starting at sample {start}"
+        finite = np.isfinite(array)
+        if not finite.all():
+            raise ValueError(
+                f"{where} holds {finite.size - np.count_nonzero(finite)} non-finite values (NaN/Inf) before "
+                f"quantising to {dtype}: the target produced them; check the target and its dtype"
+            )
+        largest = float(np.abs(array).max()) if array.size else 0.0
+        if largest > FLOAT16_MAX:
+            raise ValueError(
+                f"{where} has max |x| = {largest:.3g}, beyond float16's 65504, the dtype {dtype} features are "
+                "read back in; use feature_dtype: float32"
+            )
+        codes, scales = quantize_rows(array)
+        return {name: codes, scale_member(name): scales}
     cast = array.astype(dtype)
     if not np.isfinite(cast).all():
         raise ValueError(
             f"field {name!r} of the batch starting at sample {start} is not finite after casting "
             f"to {dtype} (max |x| = {np.abs(array).max():.3g}); use feature_dtype: float32"
         )
-    return cast
+    return {name: cast}
 
 
 def _sidecar(out_dir: Path, index: int) -> Path:

@@ -19,7 +19,7 @@ import yaml
 from data.prompts import PromptSetConfig
 from models.target import ImageTarget, SamplingDefaults
 
-FEATURE_DTYPES = ("float16", "float32")
+FEATURE_DTYPES = ("float16", "float32", "float8_e4m3fn")
 FEATURE_MODES = ("full", "tokens")
 
 
@@ -53,7 +53,8 @@ class ExtractConfig:
     store_uncond: bool = False
     """Record the unconditional row's features (L, D), and with store_aux its auxiliary streams (L, 3D); needs CFG."""
     feature_dtype: str = "float16"
-    """float16 or float32 (numpy's .npy has no bfloat16)."""
+    """float16, float32 (numpy's .npy has no bfloat16) or float8_e4m3fn (uint8 codes with a float32 scale per
+    row, read back as float16: `data.fp8`)."""
     cfg_scale: float | None = None
     """Sampling overrides; None keeps the target's default."""
     temperature: float | None = None

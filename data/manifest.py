@@ -31,7 +31,8 @@ MANIFEST_NAME = "manifest.json"
 FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
 """Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
 TOKEN_DTYPES = ("int16", "int32", "int64")
-FLOAT_DTYPES = ("float16", "float32")
+FLOAT_DTYPES = ("float16", "float32", "float8_e4m3fn")
+"""float8_e4m3fn: uint8 codes plus a `<field>_scale` member of row scales (`data.fp8`), implied by the dtype."""
 FEATURE_MODES = ("full", "tokens")
 """What a dataset's samples hold: `full` the target's states too, `tokens` only what a teacher-forced forward needs."""
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from data.fp8 import CODE_DTYPE, FP8_DTYPE, SCALE_DTYPE, codes_problem, scale_member, scales_problem
 from data.shards import (
     BLOCK,
     FieldSpec,
@@ -331,14 +332,19 @@ def decode_sample(
             must lie in 0..V-1. None skips the range check.
         check_values: check that every float field is finite (no NaN/Inf) and token ids lie in range.
             Vectorised over the arrays already decoded (`value_problem`): about 0.08 ms per MB,
-            half the cost of the copy into the batch that follows.
+            half the cost of the copy into the batch that follows. A float8_e4m3fn field's codes
+            are checked for NaN codes and its row scales for finite values in (0, MAX_SCALE)
+            (`data.fp8`).
 
     Returns:
-        {"__key__": str, "meta": dict, "tokens": (L,), "hidden": (L, D), ...the other requested fields}.
+        {"__key__": str, "meta": dict, "tokens": (L,), "hidden": (L, D), ...the other requested fields};
+        a float8_e4m3fn field is its (L, width) uint8 codes, with its (L,) float32 scales under
+        "<field>_scale" (`collate_samples` dequantises them).
 
     Raises:
         SampleError: naming the shard, the key and the field, if a member is missing or malformed, has
-            the wrong dtype or shape, holds NaN/Inf, or a token id outside the vocabulary.
+            the wrong dtype or shape, holds NaN/Inf (or NaN codes, or a bad scale), or a token id
+            outside the vocabulary.
     """
     key = raw["__key__"]
     sample: dict[str, Any] = {"__key__": key}
@@ -351,15 +357,30 @@ def decode_sample(
         for name, spec in fields.items():
             array = decode_npy(raw[f"{name}.npy"])
             expected_ndim = 1 if spec.width is None else 2
-            if str(array.dtype) != spec.dtype or array.ndim != expected_ndim:
+            stored = str(CODE_DTYPE) if spec.dtype == FP8_DTYPE else spec.dtype
+            if str(array.dtype) != stored or array.ndim != expected_ndim:
+                codes = f" (stored as {stored} codes)" if stored != spec.dtype else ""
                 raise ValueError(
-                    f"dtype {array.dtype} with {array.ndim} dims, the manifest says {spec.dtype} with {expected_ndim}"
+                    f"dtype {array.dtype} with {array.ndim} dims, the manifest says {spec.dtype}{codes} with "
+                    f"{expected_ndim}"
                 )
             if spec.width is not None and array.shape[1] != spec.width:
                 raise ValueError(f"width {array.shape[1]}, the manifest says {spec.width}")
             sample[name] = array
+            if spec.dtype == FP8_DTYPE:
+                name = scale_member(name)
+                scales = decode_npy(raw[f"{name}.npy"])
+                if scales.dtype != SCALE_DTYPE or scales.shape != array.shape[:1]:
+                    raise ValueError(
+                        f"dtype {scales.dtype} with shape {scales.shape}, expected {SCALE_DTYPE} with shape "
+                        f"{array.shape[:1]} (one scale per row of its {spec.dtype} field)"
+                    )
+                sample[name] = scales
     except KeyError as error:
-        raise SampleError(f"{shard}: sample {key} lacks the member {error.args[0]!r}; {REEXTRACT}") from None
+        member = error.args[0]
+        scaled = member.removesuffix("_scale.npy")
+        why = f" (the row scales of its {FP8_DTYPE} field {scaled!r})" if scaled in fields else ""
+        raise SampleError(f"{shard}: sample {key} lacks the member {member!r}{why}; {REEXTRACT}") from None
     except ValueError as error:  # (json's and UTF-8 decoding errors are ValueErrors too)
         raise SampleError(f"{shard}: sample {key}, field {name!r}: {error}; {REEXTRACT}") from None
     lengths = {name: len(sample[name]) for name in fields}
@@ -369,10 +390,15 @@ def decode_sample(
             f"manifest's num_tokens); {REEXTRACT}"
         )
     if check_values:
-        for name in fields:
-            problem = value_problem(sample[name], vocab_size if name == "tokens" else None)
-            if problem:
-                raise SampleError(f"{shard}: sample {key}, field {name!r}: {problem}")
+        for name, spec in fields.items():
+            if spec.dtype == FP8_DTYPE:
+                scale_name = scale_member(name)
+                checks = [(name, codes_problem(sample[name])), (scale_name, scales_problem(sample[scale_name]))]
+            else:
+                checks = [(name, value_problem(sample[name], vocab_size if name == "tokens" else None))]
+            for member, problem in checks:
+                if problem:
+                    raise SampleError(f"{shard}: sample {key}, field {member!r}: {problem}")
     return sample
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data.data_config import DataConfig, SkippedSamplesWarning
 from data.epoch_plan import Segment, plan_epoch, resume_point, worker_batches
+from data.fp8 import FP8_DTYPE, dequantize_rows, scale_member
 from data.shard_reader import BufferPool, decode_sample, iter_raw_samples
 from data.shards import (
     FEATURE_FIELDS,
@@ -44,7 +45,8 @@ def collate_samples(
     recycled (see `_allocate`).
 
     Returns:
-        tokens (B, L) int64; every float field (B, L, width) in its stored dtype; loss_mask (B, L) bool;
+        tokens (B, L) int64; every float field (B, L, width) in its stored dtype, float16 for a
+        float8_e4m3fn field (codes * row scales, `data.fp8.dequantize_rows`); loss_mask (B, L) bool;
         sample_mask (B,) bool; lengths (B,) int64; keys, prompt_ids, prompts: lists of B strings ("" for padding).
     """
     lengths = [0 if s is None else len(s["tokens"]) for s in samples]
@@ -56,7 +58,9 @@ def collate_samples(
         out = _allocate(shape, torch.int64 if name == "tokens" else _TORCH_DTYPES[spec.dtype], pool)
         view = out.numpy()
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-            if sample is not None and length:
+            if sample is not None and length and spec.dtype == FP8_DTYPE:  # codes * row scales, into float16
+                dequantize_rows(sample[name], sample[scale_member(name)], out=view[row, :length])
+            elif sample is not None and length:
                 view[row, :length] = sample[name]  # the one copy: from the tar bytes into the batch
             if length < longest:
                 view[row, length:] = 0
@@ -72,6 +76,7 @@ def collate_samples(
 
 
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "int16": torch.int16, "int32": torch.int32}
+_TORCH_DTYPES[FP8_DTYPE] = torch.float16  # the batch dtype: dequantised on collation
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pool: BufferPool | None = None) -> Tensor:
@@ -138,7 +143,8 @@ class ShardStream(IterableDataset):
             raise ManifestError(f"{source}: no shards to read (check num_val_shards against its shard count)")
         self.folder, self.manifest, self.shards, self.config = Path(folder), manifest, shards, config
         self.fields = {name: manifest.fields[name] for name in FEATURE_FIELDS if name in wanted}
-        self.suffixes = {"json"} | {f"{name}.npy" for name in self.fields}
+        scales = {f"{scale_member(name)}.npy" for name, spec in self.fields.items() if spec.dtype == FP8_DTYPE}
+        self.suffixes = {"json"} | {f"{name}.npy" for name in self.fields} | scales
         self.shuffle, self.rank, self.world_size, self.epoch = shuffle, rank, world_size, start_epoch
         self.skip_batches = 0
         """Batches of the next epoch (in DataLoader order) that a resumed run has already trained on:

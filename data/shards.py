@@ -14,6 +14,11 @@ A dataset is a folder holding `manifest.json` and `shard-NNNNNN.tar` files (see 
     000000042.uncond_aux.npy      (L, 3D) fp16       optional unconditional-row EAGLE-3 streams
     000000042.json                                   index, prompt_id, prompt, seed, length
 
+With `feature_dtype: float8_e4m3fn` each feature member holds (L, width) uint8 e4m3fn codes and is
+followed by `<field>_scale.npy`, its (L,) float32 row scales (`000000042.hidden_scale.npy`); the
+manifest lists the field with dtype "float8_e4m3fn" and the scale member is implied. Readers
+dequantise to float16 (code * scale, `data.fp8`). A quarter of float32's bytes, half of float16's.
+
 `uncond_aux` is written when both the auxiliary streams and the unconditional features are
 requested; datasets without it (or without any optional field) stay readable, since readers take the
 fields the manifest lists.
@@ -166,7 +171,8 @@ class ShardWriter:
         self.num_samples = 0
 
     def write(self, key: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Add one sample: `arrays` maps field names (FEATURE_FIELDS) to arrays, `meta` goes to its json."""
+        """Add one sample: `arrays` maps member names (FEATURE_FIELDS, and `<field>_scale` beside a
+        float8_e4m3fn field) to arrays, written as `<name>.npy` in this order; `meta` goes to its json."""
         members: dict[str, Any] = {"__key__": key, "json": json.dumps(meta).encode()}
         members.update({f"{name}.npy": encode_npy(array) for name, array in arrays.items()})
         self._tar.write(members)

@@ -6,9 +6,11 @@ Checks the manifest (every field's type, shard paths inside the folder, widths a
 counts, overlapping sample ranges), then every shard: that it exists and is a plain tar, its sha256,
 size and sample count against the manifest, that its keys are the global sample indices the
 manifest gives it in order and unique in the dataset, and every sample as the DataModule decodes it
-(`decode_sample`: members, dtypes, shapes, lengths, NaN/Inf, token ids within the image vocabulary)
-plus its metadata. Unlike the DataModule, which stops at the first problem, it goes on and reports
-them all, each naming the file (and key and field).
+(`decode_sample`: members, dtypes, shapes, lengths, NaN/Inf, token ids within the image vocabulary;
+for a float8_e4m3fn field its uint8 codes (no NaN code 0x7F/0xFF) and its `<field>_scale` member:
+(L,) float32, every scale finite, > 0 and small enough for the float16 batch) plus its metadata.
+Unlike the DataModule, which stops at the first problem, it goes on and reports them all, each naming
+the file (and key and field).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bo
     """Re-read every shard of a dataset: sha256, counts, keys, fields, dtypes, shapes and values.
 
     Every field the manifest lists (FEATURE_FIELDS: the optional aux, uncond_hidden and uncond_aux
-    too) is decoded and, with `check_finite`, checked for NaN/Inf in every sample, and token ids for
-    the target's image vocabulary 0..V-1.
+    too) is decoded and, with `check_finite`, checked for NaN/Inf in every sample (NaN codes and bad
+    row scales for float8_e4m3fn fields), and token ids for the target's image vocabulary 0..V-1.
 
     Returns:
         {"shards": ..., "samples": ..., "bytes": ...} when everything checks out.

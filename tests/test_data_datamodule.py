@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from data.data_config import DataConfig, SkippedSamplesWarning
 from data.datamodule import FeatureDataModule
 from data.epoch_plan import batches_per_rank, plan_epoch
+from data.fp8 import FP8_DTYPE, quantize_rows, scale_member
 from data.shard_reader import BufferPool
 from data.shard_stream import ShardStream, collate_samples
 from data.shards import (
@@ -42,17 +43,20 @@ IDENTITY = TargetIdentity(
 )
 
 
-def write_dataset(folder, counts: list[int], lengths=lambda index: 6, optional=("aux",)) -> Manifest:
+def write_dataset(
+    folder, counts: list[int], lengths=lambda index: 6, optional=("aux",), dtype: str = "float16"
+) -> Manifest:
     """Shards holding `counts` samples; sample i has lengths(i) tokens and hidden[t] = i + t / 100.
 
     `optional` lists the optional fields to store: aux is all ones, uncond_hidden is -hidden and
-    uncond_aux is all twos.
+    uncond_aux is all twos. `dtype` is every feature's: float16, or float8_e4m3fn (the float16 values
+    quantised, with their `<field>_scale` members, as extraction writes them).
     """
     folder.mkdir(parents=True, exist_ok=True)
     width = IDENTITY.hidden_size
     widths = {"aux": 3 * width, "uncond_hidden": width, "uncond_aux": 3 * width}
-    fields = {"tokens": FieldSpec("int16", None), "hidden": FieldSpec("float16", width)}
-    fields.update({name: FieldSpec("float16", widths[name]) for name in optional})
+    fields = {"tokens": FieldSpec("int16", None), "hidden": FieldSpec(dtype, width)}
+    fields.update({name: FieldSpec(dtype, widths[name]) for name in optional})
     manifest = Manifest(
         target=IDENTITY,
         sampling={},
@@ -75,6 +79,13 @@ def write_dataset(folder, counts: list[int], lengths=lambda index: 6, optional=(
             }
             arrays = {"tokens": np.full(length, index % 64, np.int16), "hidden": hidden}
             arrays.update({name: extra[name] for name in optional})
+            if dtype == FP8_DTYPE:
+                arrays = {"tokens": arrays["tokens"]} | {
+                    member: stored
+                    for name, array in arrays.items()
+                    if name != "tokens"
+                    for member, stored in zip((name, scale_member(name)), quantize_rows(array), strict=True)
+                }
             meta = {"index": index, "prompt_id": f"p:{index}", "prompt": f"prompt {index}", "seed": 0, "length": length}
             writer.write(sample_key(index), arrays, meta)
         manifest.shards.append(writer.commit(first_index=first))

@@ -1,6 +1,7 @@
 """Seeded fuzzing of dataset folders: every damaged dataset loads correctly or raises a DatasetError naming the file.
 
-A tiny dataset (3 shards of 3, 3 and 2 samples) is damaged 500 seeded ways (~5 s): byte flips,
+A tiny dataset (3 shards of 3, 3 and 2 samples) is damaged 500 seeded ways (~5 s), and its float8_e4m3fn
+twin 90 ways (sample edits, NaN codes, bad or missing row scales, byte flips): byte flips,
 truncations, tar header fields rewritten with a valid checksum, whole shards replaced (gzip,
 garbage, empty, a folder, missing), samples rewritten with bad values, dtypes, shapes, keys or
 metadata (with the manifest's sha256 kept matching, so only the sample checks can catch them), and
@@ -32,6 +33,7 @@ from test_data_datamodule import IDENTITY, write_dataset
 
 from data.data_config import DataConfig, SkippedSamplesWarning
 from data.datamodule import FeatureDataModule
+from data.fp8 import FP8_DTYPE
 from data.shards import MANIFEST_NAME, DatasetError, ManifestError, load_manifest, sample_key
 from data.validate import validate_dataset
 
@@ -48,6 +50,14 @@ Damage = Callable[[Path, random.Random], tuple[str, Path]]
 def pristine(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("pristine") / "ds"
     write_dataset(folder, COUNTS, optional=OPTIONAL)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pristine_fp8(tmp_path_factory) -> Path:
+    """The same dataset with float8_e4m3fn features: uint8 codes, each with a `<field>_scale` member."""
+    folder = tmp_path_factory.mktemp("pristine_fp8") / "ds"
+    write_dataset(folder, COUNTS, optional=OPTIONAL, dtype=FP8_DTYPE)
     return folder
 
 
@@ -128,8 +138,13 @@ def replace(folder: Path, rng: random.Random) -> tuple[str, Path]:
 # ----------------------------------------------------------------------------- samples
 
 
-def sample_edit(rng: random.Random) -> tuple[str, Callable[[list[Sample]], list[Sample]]]:
-    """A change to one shard's samples: bad values, dtypes, shapes, members, keys or metadata."""
+def sample_edit(rng: random.Random, fp8: bool = False) -> tuple[str, Callable[[list[Sample]], list[Sample]]]:
+    """A change to one shard's samples: bad values, dtypes, shapes, members, keys or metadata.
+
+    With `fp8` (a float8_e4m3fn dataset) the NaN/Inf edits become NaN codes (0x7F, 0xFF: e4m3fn has
+    no Inf), and bad row scales (zero, negative, NaN, Inf, too large for float16) and scale members
+    of the wrong dtype or length, or missing, join in.
+    """
     position = rng.randrange(2)
     field = rng.choice(FLOAT_FIELDS)
     row, column = rng.randrange(6), rng.randrange(8)
@@ -170,12 +185,33 @@ def sample_edit(rng: random.Random) -> tuple[str, Callable[[list[Sample]], list[
         "key renamed 'abc'": lambda s: [("abc", *s[0][1:]), *s[1:]],
         "key of another shard": lambda s: [(sample_key(7), *s[0][1:]), *s[1:]],
     }
+    if fp8:
+        scale, code, value = f"{field}_scale", rng.choice([0x7F, 0xFF]), rng.choice([0.0, -1.0, np.nan, np.inf, 1e3])
+        del edits[f"{field}[{row}, {column}] = NaN"], edits[f"{field}[{row}, {column}] = -Inf"]
+        edits |= {
+            f"{field}[{row}, {column}] = NaN code {code:#x}": one(
+                lambda a, m: a[field].__setitem__((row, column), code)
+            ),
+            f"{scale}[{row}] = {value}": one(lambda a, m: a[scale].__setitem__(row, value)),
+            f"{scale} as float64": one(lambda a, m: a.__setitem__(scale, a[scale].astype(np.float64))),
+            f"{scale} as float16": one(lambda a, m: a.__setitem__(scale, a[scale].astype(np.float16))),
+            f"{scale} one row short": one(lambda a, m: a.__setitem__(scale, a[scale][:-1])),
+            f"{scale} 2-D": one(lambda a, m: a.__setitem__(scale, a[scale][:, None])),
+            f"{scale} missing": one(lambda a, m: a.pop(scale)),
+        }
     return rng.choice(list(edits.items()))
 
 
 def edit_samples(folder: Path, rng: random.Random) -> tuple[str, Path]:
     index = rng.randrange(len(SHARDS))
     description, edit = sample_edit(rng)
+    rewrite_shard(folder, index, edit)
+    return f"{SHARDS[index]} sample {description}", folder / SHARDS[index]
+
+
+def edit_fp8_samples(folder: Path, rng: random.Random) -> tuple[str, Path]:
+    index = rng.randrange(len(SHARDS))
+    description, edit = sample_edit(rng, fp8=True)
     rewrite_shard(folder, index, edit)
     return f"{SHARDS[index]} sample {description}", folder / SHARDS[index]
 
@@ -364,3 +400,9 @@ def test_fuzz_samples(pristine, tmp_path):
 
 def test_fuzz_manifests(pristine, tmp_path):
     run_cases(pristine, tmp_path, [edit_manifest], count=160, seed=SEED + 2)
+
+
+def test_fuzz_fp8_samples_and_bytes(pristine_fp8, tmp_path):
+    """A float8_e4m3fn dataset: flipped bytes land in codes and scales too, so NaN codes and bad scales
+    must be caught before they reach a batch (which holds the dequantised float16 features)."""
+    run_cases(pristine_fp8, tmp_path, [edit_fp8_samples, edit_fp8_samples, flip_bytes], count=90, seed=SEED + 3)
