@@ -37,6 +37,9 @@ class DataConfig:
     features: str = "offline"
     """offline: read the target's states from the shards; online: read only the tokens and let the training step
     recompute the states with the frozen target (token-only datasets need it; full ones allow it)."""
+    verify: bool = True
+    """Hash every shard against the manifest's sha256 before training, once: a stamp remembers the shards that
+    verified (size, mtime), so later fits hash only what changed (`data.verify`)."""
     on_error: str = "raise"
     """raise: a corrupt or truncated shard stops training with its name; skip: warn, pad and count."""
 

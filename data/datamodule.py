@@ -52,6 +52,7 @@ Shapes: B batch, L longest sample of the batch, D hidden size.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from data.data_config import DataConfig
+from data.data_config import DataConfig, SkippedSamplesWarning
 from data.shard_stream import ShardStream
-from data.shards import (
-    TargetIdentity,
-    load_manifest,
-)
+from data.shards import ShardError, TargetIdentity, load_manifest
+from data.verify import verify_shards
 
 
 class ResumableLoader(DataLoader):
@@ -188,11 +187,45 @@ class FeatureDataModule(L.LightningDataModule):
         self.target = target if isinstance(target, TargetIdentity) else TargetIdentity.from_target(target)
         self.train_stream: ShardStream | None = None
         self.val_stream: ShardStream | None = None
+        self._verified: set[str] = set()
+
+    def verify_datasets(self) -> dict[str, str]:
+        """Hash the train (and val) shards the stamp does not vouch for (`data.verify`): shard path -> problem.
+
+        Raises:
+            ShardError: naming every failed shard, under on_error="raise", before anything trains.
+        """
+        failed: dict[str, str] = {}
+        folders = [self.config.train_dir] + ([self.config.val_dir] if self.config.val_dir else [])
+        for folder in folders:
+            report = verify_shards(folder, load_manifest(folder), fallback_dir=self._run_dir())
+            rank, _ = _rank_and_world(self.trainer)
+            if rank == 0 and (report.hashed or report.failed or folder not in self._verified):
+                print(f"{folder}: {report.summary()}")
+            self._verified.add(folder)
+            failed.update({str(Path(folder) / name): problem for name, problem in report.failed.items()})
+        if failed and self.config.on_error == "raise":
+            raise ShardError(
+                f"{len(failed)} shard(s) failed verification before training, nothing was trained:\n  "
+                + "\n  ".join(failed.values())
+                + "\n(set data.on_error=skip to train without them)"
+            )
+        for problem in failed.values():
+            warnings.warn(f"skipping a shard that failed verification: {problem}", SkippedSamplesWarning, stacklevel=2)
+        return failed
+
+    def _run_dir(self) -> str | None:
+        """Where a stamp goes when the dataset folder is read-only: the logger's run folder (no collective call)."""
+        if self.trainer is None:
+            return None
+        logger = self.trainer.logger
+        return getattr(logger, "log_dir", None) or self.trainer.default_root_dir
 
     def setup(self, stage: str | None = None) -> None:
         config = self.config
         manifest = load_manifest(config.train_dir)
         manifest.check_target(self.target, source=str(Path(config.train_dir) / "manifest.json"))
+        failed = self.verify_datasets() if config.verify else {}
         train_shards, val_dir, val_manifest = manifest.shards, config.val_dir, manifest
         if val_dir is not None:
             val_manifest = load_manifest(val_dir)
@@ -214,6 +247,7 @@ class FeatureDataModule(L.LightningDataModule):
         self.train_stream = ShardStream(
             config.train_dir, manifest, train_shards, config, shuffle=True, rank=rank, world_size=world_size
         )
+        self.train_stream.failed_shards = failed
         if val_shards:
             self.val_stream = ShardStream(
                 val_dir or config.train_dir,
@@ -224,6 +258,7 @@ class FeatureDataModule(L.LightningDataModule):
                 rank=rank,
                 world_size=world_size,
             )
+            self.val_stream.failed_shards = failed
 
     def train_dataloader(self) -> ResumableLoader:
         if self.train_stream is None:

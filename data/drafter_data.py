@@ -33,7 +33,7 @@ class DrafterDataModule(FeatureDataModule):
 
     Args:
         train_dir, val_dir, num_val_shards, batch_size, num_workers, shuffle_buffer, seed, load_aux,
-            load_uncond, features, on_error: see `data.data_config.DataConfig`.
+            load_uncond, features, verify, on_error: see `data.data_config.DataConfig`.
         target: registry name of the target the features must come from (linked to model.target by fit.py).
         target_options: its loader's keyword arguments (linked to model.target_options by fit.py).
         extract_config: extraction YAML to run when train_dir has no manifest.json; None = fail instead.
@@ -54,6 +54,7 @@ class DrafterDataModule(FeatureDataModule):
         load_aux: bool = True,
         load_uncond: bool = False,
         features: str = "offline",
+        verify: bool = True,
         on_error: str = "raise",
         target: str = "toy",
         target_options: dict[str, Any] | None = None,
@@ -71,12 +72,14 @@ class DrafterDataModule(FeatureDataModule):
             load_aux=load_aux,
             load_uncond=load_uncond,
             features=features,
+            verify=verify,
             on_error=on_error,
         )
         L.LightningDataModule.__init__(self)  # FeatureDataModule's init wants the target; it loads in setup
         self.config = config
         self.target = None  # type: ignore[assignment]
         self.train_stream = self.val_stream = None
+        self._verified: set[str] = set()
         self.target_name = target
         self.target_options = dict(target_options or {})
         self.extract_config = extract_config
@@ -88,6 +91,12 @@ class DrafterDataModule(FeatureDataModule):
         self.extract_overrides = dict(extract_overrides or {})
 
     def prepare_data(self) -> None:
+        """Once per node, before any rank's setup: extract a missing dataset, then verify its shards (`data.verify`)."""
+        self._extract_if_missing()
+        if self.config.verify:
+            self.verify_datasets()
+
+    def _extract_if_missing(self) -> None:
         manifest = Path(self.config.train_dir) / "manifest.json"
         if manifest.exists():
             return

@@ -150,6 +150,8 @@ class ShardStream(IterableDataset):
         """Batches of the next epoch (in DataLoader order) that a resumed run has already trained on:
         the next iteration leaves them out, without reading their samples, then this returns to 0."""
         self.num_samples = sum(s.num_samples for s in shards)
+        self.failed_shards: dict[str, str] = {}
+        """Shard path -> why it failed verification (on_error="skip": its samples become masked padding rows)."""
         self._pool: BufferPool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -272,6 +274,10 @@ class ShardStream(IterableDataset):
         nothing follows it, so each shard holds exactly the manifest's count.
         """
         path = str(self.folder / info.name)
+        if path in self.failed_shards:  # its bytes differ from the manifest's sha256: none of them train
+            self._skip(ShardError(self.failed_shards[path]), len(positions), info.name, skipped)
+            yield from [None] * len(positions)
+            return
         start, stop = positions[0], positions[-1] + 1
         raws = iter_raw_samples(
             path,

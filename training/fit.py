@@ -16,7 +16,9 @@ run is an error unless `--overwrite true`). The resolved config is written there
 training ends.
 
 Before training (unless resuming) the untrained drafter is validated, so the printed summary and
-TensorBoard show the simulated acceptance length before and after.
+TensorBoard show the simulated acceptance length before and after. Before that, every shard is hashed
+against the manifest once (`data.verify`, `data/verify.py`: later fits re-hash only what changed); a
+dataset error (a shard that fails, a damaged sample) ends the run with exit code 2 and the message naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE as RICH_AVAILABLE
 
 from data.drafter_data import DrafterDataModule, resolve_config_path
+from data.errors import DatasetError
 from training.callbacks import StepBoundedProgressBar, gathered_parameters
 from training.run_folder import RunFolderError, RunPlan, clear_run, plan_run
 from training.system import DrafterSystem
@@ -222,10 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     if cli.run_plan is not None and cli.run_plan.to_clear and process_rank() == 0:
         clear_run(cli.run_plan)  # --overwrite: only now that the config, model, data and trainer are built
         print(f"--overwrite: cleared {', '.join(cli.run_plan.to_clear)} from {cli.run_plan.folder}")
-    if cli.config.get("validate_before") and ckpt_path is None and trainer.limit_val_batches != 0:
-        results = trainer.validate(system, datamodule=data, verbose=False)
-        before = results[0].get("val/tau_sim") if results else None
-    trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)
+    try:
+        if cli.config.get("validate_before") and ckpt_path is None and trainer.limit_val_batches != 0:
+            results = trainer.validate(system, datamodule=data, verbose=False)
+            before = results[0].get("val/tau_sim") if results else None
+        trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)
+    except DatasetError as error:  # named by the data layer (shard, key, field); nothing was exported
+        print(f"error: {error}", file=sys.stderr)
+        end_process_group()
+        return 2
     validates = trainer.limit_val_batches != 0 and data.config.num_val_shards + (data.config.val_dir is not None) > 0
     if validates and system.last_validated_step != trainer.global_step:  # the summary reports the final drafter
         trainer.validate(system, datamodule=data, verbose=False)

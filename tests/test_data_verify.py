@@ -1,0 +1,145 @@
+"""Shards are hashed once before training (`data.verify`): a stamp remembers what verified; changes re-verify.
+
+A flipped byte inside a float16 feature, or a token id changed into another valid one, decodes cleanly
+and passes every per-sample check the DataModule makes; only the manifest's sha256 sees it. These tests
+damage exactly that, and check that training never starts on it (or skips the shard, under
+on_error="skip"), that a clean dataset is hashed once and then trusted by its stamp, and that a
+changed shard or manifest is hashed again.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from test_data_datamodule import IDENTITY, write_dataset
+from test_training_fit import tiny_dataset, tiny_run_config  # noqa: F401 (a module fixture)
+
+from data.data_config import DataConfig, SkippedSamplesWarning
+from data.datamodule import FeatureDataModule
+from data.shards import ShardError, load_manifest
+from data.verify import STAMP_NAME, verify_shards
+from training.fit import main
+
+COUNTS = [3, 3, 2]
+
+
+def flip_feature_byte(shard: Path, key: str = "000000000", field: str = "hidden") -> None:
+    """Flip one byte inside a sample's float16 feature values (past the tar and .npy headers)."""
+    data = bytearray(shard.read_bytes())
+    header = data.find(f"{key}.{field}.npy".encode())
+    assert header >= 0 and header % 512 == 0
+    data[header + 512 + 128 + 7] ^= 0x10  # a mantissa/exponent bit of a finite value: still finite
+    shard.write_bytes(bytes(data))
+
+
+def module(folder: Path, on_error: str = "raise") -> FeatureDataModule:
+    return FeatureDataModule(DataConfig(train_dir=str(folder), batch_size=2, on_error=on_error), target=IDENTITY)
+
+
+def test_a_clean_dataset_is_hashed_once_then_trusted_until_a_shard_or_the_manifest_changes(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, COUNTS)
+    first = verify_shards(folder, manifest)
+    assert len(first.hashed) == 3 and not first.trusted and not first.failed and first.bytes_hashed > 0
+    assert first.stamp == folder / STAMP_NAME and first.stamp.is_file()
+    second = verify_shards(folder, load_manifest(folder))
+    assert not second.hashed and len(second.trusted) == 3 and "skipped" in second.summary()
+    shard = folder / "shard-000001.tar"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # touched: re-hash it only
+    third = verify_shards(folder, load_manifest(folder))
+    assert third.hashed == ["shard-000001.tar"] and len(third.trusted) == 2
+    (folder / "manifest.json").write_text((folder / "manifest.json").read_text() + "\n")  # any manifest edit
+    assert len(verify_shards(folder, load_manifest(folder)).hashed) == 3
+
+
+def test_a_flipped_feature_byte_decodes_cleanly_but_fails_verification_naming_the_shard(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS)
+    shard = folder / "shard-000000.tar"
+    flip_feature_byte(shard)
+    unverified = FeatureDataModule(DataConfig(train_dir=str(folder), batch_size=2, verify=False), target=IDENTITY)
+    unverified.setup("fit")
+    assert sum(1 for _ in unverified.train_dataloader()) == 4  # the per-sample checks pass: this is sha256's job
+    with pytest.raises(ShardError, match=r"shard-000000\.tar: sha256 .* differs from the manifest") as error:
+        module(folder).setup("fit")
+    assert "nothing was trained" in str(error.value) and "on_error=skip" in str(error.value)
+
+
+def test_under_skip_a_failed_shard_becomes_padding_and_the_epoch_keeps_its_length(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS)
+    flip_feature_byte(folder / "shard-000002.tar", key="000000006")
+    data = module(folder, on_error="skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data.setup("fit")
+        batches = list(data.train_dataloader())
+    messages = [str(w.message) for w in caught if issubclass(w.category, SkippedSamplesWarning)]
+    assert any("failed verification" in m and "shard-000002.tar" in m for m in messages), messages
+    assert len(batches) == 4  # 8 samples in batches of 2, as for the clean dataset
+    keys = [key for batch in batches for key in batch["keys"] if key]
+    assert sorted(keys) == [f"{i:09d}" for i in range(6)]  # shard 2's samples 6 and 7 never train
+    assert sum(int(batch["sample_mask"].sum()) for batch in batches) == 6
+
+
+def test_files_that_are_not_regular_files_or_leave_the_folder_are_refused_before_opening(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, COUNTS)
+    (folder / "shard-000000.tar").unlink()
+    os.mkfifo(folder / "shard-000000.tar")  # open() would block forever
+    outside = tmp_path / "elsewhere.tar"
+    (folder / "shard-000001.tar").rename(outside)
+    (folder / "shard-000001.tar").symlink_to(outside)
+    inside = folder / "copies" / "shard-000002.tar"
+    inside.parent.mkdir()
+    (folder / "shard-000002.tar").rename(inside)
+    (folder / "shard-000002.tar").symlink_to(inside)  # a link that stays inside the folder is a shard like any
+    report = verify_shards(folder, manifest)
+    assert sorted(report.failed) == ["shard-000000.tar", "shard-000001.tar"]
+    assert "is not a regular file" in report.failed["shard-000000.tar"]
+    assert "outside the dataset folder" in report.failed["shard-000001.tar"]
+
+
+def test_the_stamp_falls_back_to_the_run_folder_where_the_dataset_is_not_writable(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, COUNTS)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != folder)  # as for a read-only mount
+    report = verify_shards(folder, manifest, fallback_dir=tmp_path / "run")
+    assert report.stamp is not None and report.stamp.parent == tmp_path / "run" and report.stamp.is_file()
+    assert not (folder / STAMP_NAME).exists()
+    assert len(verify_shards(folder, manifest, fallback_dir=tmp_path / "run").trusted) == 3
+
+
+@pytest.mark.slow
+def test_a_fit_stops_before_its_first_step_on_a_flipped_byte_and_a_second_clean_fit_skips_hashing(
+    tiny_dataset: Path,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_dataset, damaged)
+    (damaged / STAMP_NAME).unlink(missing_ok=True)
+    flip_feature_byte(damaged / "shard-000000.tar")
+    (tmp_path / "a").mkdir()
+    assert main(["--config", str(tiny_run_config(tmp_path / "a", damaged))]) == 2
+    err = capsys.readouterr().err
+    assert "shard-000000.tar: sha256" in err and "nothing was trained" in err
+    assert not list((tmp_path / "a").rglob("model.safetensors")) and not list((tmp_path / "a").rglob("*.ckpt"))
+
+    clean = tmp_path / "clean"
+    shutil.copytree(tiny_dataset, clean)
+    (clean / STAMP_NAME).unlink(missing_ok=True)
+    for run in ("b", "c"):
+        (tmp_path / run).mkdir()
+        argv = ["--config", str(tiny_run_config(tmp_path / run, clean)), "--trainer.max_steps", "1"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        if run == "b":
+            assert f"{clean}: verified 2 shards" in out
+        else:
+            assert f"{clean}: verified 0 shards" in out and "2 unchanged since their last verification" in out
