@@ -300,6 +300,23 @@ class Manifest:
         for name, spec in self.fields.items():
             if spec.width != widths[name]:
                 problems.append(f"{source}: field {name!r} has width {spec.width}, its target needs {widths[name]}")
+        rows, cols = self.target.grid
+        if self.num_tokens != rows * cols:
+            problems.append(
+                f"{source}: num_tokens is {self.num_tokens}, the target's grid {rows} x {cols} has {rows * cols}"
+            )
+        for shard in self.shards:  # fewer is allowed: datasets merged or filtered by other tools have uneven shards
+            if shard.num_samples > self.samples_per_shard:
+                problems.append(
+                    f"{source}: shard {shard.name} holds {shard.num_samples} samples, more than samples_per_shard "
+                    f"{self.samples_per_shard}"
+                )
+        num_prompts, per_prompt = self.prompts.get("num_prompts"), self.sampling.get("samples_per_prompt")
+        if type(num_prompts) is int and type(per_prompt) is int and num_prompts * per_prompt != self.num_samples:
+            problems.append(
+                f"{source}: the recipe gives prompts.num_prompts {num_prompts} x sampling.samples_per_prompt "
+                f"{per_prompt} = {num_prompts * per_prompt} samples, num_samples says {self.num_samples}"
+            )
         total = sum(s.num_samples for s in self.shards)
         if total != self.num_samples:
             problems.append(f"{source}: shard counts sum to {total}, num_samples says {self.num_samples}")
@@ -335,6 +352,18 @@ def field_widths(target: TargetIdentity) -> dict[str, int | None]:
     return {"tokens": None, "hidden": hidden, "aux": aux, "uncond_hidden": hidden, "uncond_aux": aux}
 
 
+class _DuplicateKeyError(ValueError):
+    """A JSON object names a key twice (json.loads would keep the last value silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise _DuplicateKeyError(f"names the key(s) {twice} twice in one object (JSON keeps only the last)")
+    return dict(pairs)
+
+
 def load_manifest(folder: str | Path) -> Manifest:
     """The manifest of a dataset folder, every field type-checked (ManifestError naming the file otherwise)."""
     path = Path(folder) / MANIFEST_NAME
@@ -350,7 +379,9 @@ def load_manifest(folder: str | Path) -> Manifest:
     if data[:2] == b"\x1f\x8b":
         raise ManifestError(f"{path}: is gzip-compressed; store it as plain JSON (gunzip it)")
     try:
-        values = json.loads(data.decode("utf-8"))
+        values = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as error:
+        raise ManifestError(f"{path}: {error}; {_fix(str(path))}") from None
     except UnicodeDecodeError as error:
         raise ManifestError(f"{path}: is not UTF-8 text (byte {error.start}); {_fix(str(path))}") from None
     except json.JSONDecodeError as error:

@@ -354,6 +354,9 @@ def decode_sample(
         sample["meta"] = json.loads(bytes(data))
         if not isinstance(sample["meta"], dict):
             raise ValueError(f"holds {type(sample['meta']).__name__}, expected a JSON object")
+        meta_problem = _meta_problem(sample["meta"], key)
+        if meta_problem:
+            raise ValueError(meta_problem)
         for name, spec in fields.items():
             array = decode_npy(raw[f"{name}.npy"])
             expected_ndim = 1 if spec.width is None else 2
@@ -384,6 +387,12 @@ def decode_sample(
     except ValueError as error:  # (json's and UTF-8 decoding errors are ValueErrors too)
         raise SampleError(f"{shard}: sample {key}, field {name!r}: {error}; {REEXTRACT}") from None
     lengths = {name: len(sample[name]) for name in fields}
+    stated = sample["meta"].get("length")
+    if stated is not None and stated != lengths.get("tokens"):
+        raise SampleError(
+            f"{shard}: sample {key}, field 'json': length {stated!r} but its arrays hold {lengths.get('tokens')} rows; "
+            f"{REEXTRACT}"
+        )
     if len(set(lengths.values())) != 1 or not 0 < lengths["tokens"] <= num_tokens:
         raise SampleError(
             f"{shard}: sample {key}: field lengths {lengths}, expected one length in 1..{num_tokens} (the "
@@ -400,6 +409,24 @@ def decode_sample(
                 if problem:
                     raise SampleError(f"{shard}: sample {key}, field {member!r}: {problem}")
     return sample
+
+
+META_TYPES = {"index": int, "prompt_id": str, "prompt": str, "seed": int}
+"""What every sample's json holds (besides batch_row and length), with its type; loader and validator check it."""
+
+
+def _meta_problem(meta: dict[str, Any], key: str) -> str | None:
+    """What is wrong with a sample's json metadata (missing or mistyped fields, an index that is not its key)."""
+    for name, kind in META_TYPES.items():
+        if name not in meta:
+            return f"lacks {name!r}"
+        if type(meta[name]) is not kind:  # (bool is an int subclass; NaN and Infinity parse as floats)
+            return f"{name!r} is {meta[name]!r} ({type(meta[name]).__name__}), expected {kind.__name__}"
+    if "length" in meta and type(meta["length"]) is not int:
+        return f"'length' is {meta['length']!r} ({type(meta['length']).__name__}), expected int"
+    if f"{meta['index']:09d}" != key:
+        return f"index {meta['index']} does not match the sample key {key}"
+    return None
 
 
 def value_problem(array: np.ndarray, vocab_size: int | None = None) -> str | None:

@@ -137,8 +137,15 @@ class ShardStream(IterableDataset):
                 f"{source}: the dataset has no {missing} features (it holds {sorted(manifest.fields)}); "
                 "set load_aux / load_uncond to false or re-extract with store_aux / store_uncond"
             )
-        if config.load_uncond and config.load_aux and "uncond_aux" in manifest.fields and not self.online_fields:
-            wanted.add("uncond_aux")  # optional: datasets extracted before it existed lack it
+        if config.load_uncond and config.load_aux and not self.online_fields:
+            if "uncond_aux" in manifest.fields:
+                wanted.add("uncond_aux")  # optional: datasets extracted before it existed lack it
+            elif shards and _first_sample_holds(Path(folder) / shards[0].name, "uncond_aux.npy"):
+                raise ManifestError(
+                    f"{source}: 'fields' lacks 'uncond_aux', but {shards[0].name} holds it, and load_uncond with "
+                    "load_aux reads it: the manifest was edited or written by another version; rewrite it with "
+                    f"`python -m data.extract --merge {folder}` or re-extract"
+                )
         if not shards:
             raise ManifestError(f"{source}: no shards to read (check num_val_shards against its shard count)")
         self.folder, self.manifest, self.shards, self.config = Path(folder), manifest, shards, config
@@ -325,6 +332,17 @@ class ShardStream(IterableDataset):
         what = f"skipping {count} sample(s)" if count else "ignoring (its samples read fine)"
         warnings.warn(f"{what}: {error}", SkippedSamplesWarning, stacklevel=2)
         skipped.extend([shard] * count)
+
+
+def _first_sample_holds(path: Path, member: str) -> bool:
+    """Whether the first sample of a shard (a regular file) has the member `member` (e.g. `uncond_aux.npy`)."""
+    if not path.is_file():
+        return False
+    try:
+        first = next(iter_raw_samples(path, stop=1), {})
+    except ShardError:
+        return False
+    return member in first
 
 
 def _shuffled(samples: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.errors import ShardError
 from data.manifest import MANIFEST_NAME, Manifest
+from data.shard_reader import REEXTRACT, iter_raw_samples
 
 STAMP_NAME = ".verified.json"
 CHUNK = 1 << 22  # 4 MiB reads
@@ -68,30 +70,41 @@ def manifest_digest(folder: Path) -> str:
 def _shard_problem(folder: Path, path: Path, size: int, sha256: str) -> tuple[str | None, int]:
     """(what is wrong with the shard or None, bytes hashed)."""
     if not path.exists():
-        return f"{path}: does not exist; the manifest lists it (re-extract it or restore the file)", 0
+        return f"{path}: listed in the manifest but missing; {REEXTRACT}", 0
     if path.is_symlink() and not path.resolve().is_relative_to(folder.resolve()):
         return (
             f"{path}: is a symbolic link to {path.resolve()}, outside the dataset folder; copy the shard into {folder}",
             0,
         )
+    if path.is_dir():
+        return f"{path}: is a directory, not a shard (a tar file); {REEXTRACT}", 0
     if not path.is_file():  # a FIFO would block open() forever, a device never ends: refused before opening
-        return f"{path}: is not a regular file; shards must be regular files (re-extract it or copy the file in)", 0
+        return f"{path}: is not a regular file; shards must be regular files ({REEXTRACT})", 0
     found = path.stat().st_size
     if found != size:
-        return f"{path}: holds {found} bytes, the manifest says {size}; the shard is truncated or was replaced", 0
+        structural = _read_problem(path) or f"{path}: the shard was replaced"
+        return f"{structural} ({path}: holds {found} bytes, the manifest says {size})", 0
     digest, hashed = hashlib.sha256(), 0
     with open(path, "rb") as file:
         while chunk := file.read(CHUNK):
             digest.update(chunk)
             hashed += len(chunk)
     if digest.hexdigest() != sha256:
-        return (
-            f"{path}: sha256 {digest.hexdigest()} differs from the manifest's {sha256}: its bytes changed since "
-            "extraction (re-extract it: `python -m data.extract --config ...` rewrites missing shards after you "
-            "delete it)",
-            hashed,
-        )
+        reason = _read_problem(path)  # the reader's own diagnosis when the damage is structural
+        mismatch = f"{path}: sha256 {digest.hexdigest()} differs from the manifest's {sha256}"
+        changed = f"{mismatch}: its bytes changed since extraction; {REEXTRACT}"
+        return (f"{reason} ({mismatch})" if reason else changed), hashed
     return None, hashed
+
+
+def _read_problem(path: Path) -> str | None:
+    """What the shard reader says of a (regular) shard file that failed its hash, or None if it reads cleanly."""
+    try:
+        for _ in iter_raw_samples(path):
+            pass
+    except ShardError as error:
+        return str(error)
+    return None
 
 
 def _load_stamp(path: Path, digest: str) -> dict[str, dict[str, int]]:

@@ -18,9 +18,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from data.errors import SampleError
-from data.shard_reader import iter_raw_samples, value_problem
-from data.shards import decode_npy, load_manifest
+from data.shard_reader import decode_sample, iter_raw_samples
+from data.shards import load_manifest
 from models.eagle import vocab_map_from_counts
 
 
@@ -38,13 +37,13 @@ def count_image_tokens(folder: str | Path, progress: bool = True) -> Tensor:
     folder = Path(folder)
     manifest = load_manifest(folder)
     counts = np.zeros(manifest.target.image_vocab_size, dtype=np.int64)
+    fields = {"tokens": manifest.fields["tokens"]}
     for shard in tqdm(manifest.shards, desc="counting tokens", unit="shard", disable=not progress):
-        for raw in iter_raw_samples(folder / shard.name, suffixes={"tokens.npy"}):
-            tokens = decode_npy(raw["tokens.npy"])  # (L,) image token ids
-            problem = value_problem(tokens, counts.shape[0])
-            if problem is not None:  # bincount would crash on a negative id or grow on one >= V
-                raise SampleError(f"{folder / shard.name}: sample {raw['__key__']}, field 'tokens': {problem}")
-            counts += np.bincount(tokens.astype(np.int64), minlength=counts.shape[0])
+        path = folder / shard.name
+        for raw in iter_raw_samples(path, suffixes={"tokens.npy", "json"}):
+            # the DataModule's checked decoding: missing or malformed members, dtype, length, ids within 0..V-1
+            sample = decode_sample(raw, fields, manifest.num_tokens, str(path), counts.shape[0])
+            counts += np.bincount(sample["tokens"].astype(np.int64), minlength=counts.shape[0])  # (L,) ids
     return torch.from_numpy(counts)
 
 

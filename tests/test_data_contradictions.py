@@ -1,0 +1,139 @@
+"""Datasets that contradict themselves are named errors: manifest fields against each other, sample metadata
+against its arrays, members the manifest does not list, and the draft-vocabulary count's reads.
+
+Each case is a fresh damage of a clean tiny dataset (3 shards of 3, 3 and 2 samples) that loaded without
+complaint before these checks. Sample edits rewrite the shard with the manifest's sha256 kept matching
+(`data_damage.rewrite_shard`), so only the check under test can catch them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from data_damage import edit_sample, rewrite_shard
+from test_data_datamodule import IDENTITY, write_dataset
+
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule
+from data.errors import DatasetError, ManifestError, SampleError
+from data.shards import MANIFEST_NAME, load_manifest
+from data.validate import validate_dataset
+from training.vocab import count_image_tokens
+
+COUNTS = [3, 3, 2]
+
+
+def dataset(tmp_path: Path, optional: tuple[str, ...] = ("aux",)) -> Path:
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS, optional=optional)
+    return folder
+
+
+def edit_manifest(folder: Path, change: Any) -> None:
+    values = json.loads((folder / MANIFEST_NAME).read_text())
+    change(values)
+    (folder / MANIFEST_NAME).write_text(json.dumps(values))
+
+
+def stream_all(folder: Path, **config: Any) -> list[dict[str, Any]]:
+    data = FeatureDataModule(DataConfig(train_dir=str(folder), batch_size=2, **config), target=IDENTITY)
+    data.setup("fit")
+    return list(data.train_dataloader())
+
+
+def test_a_manifest_naming_a_key_twice_is_an_error(tmp_path: Path) -> None:
+    folder = dataset(tmp_path)
+    text = (folder / MANIFEST_NAME).read_text()
+    (folder / MANIFEST_NAME).write_text(text.replace('"num_tokens": 6,', '"num_tokens": 6, "num_tokens": 5,'))
+    with pytest.raises(ManifestError, match=rf"{folder / MANIFEST_NAME}: names the key\(s\) \['num_tokens'\] twice"):
+        load_manifest(folder)
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (lambda v: v.update(num_tokens=5), r"num_tokens is 5, the target's grid 2 x 3 has 6"),
+        (lambda v: v.update(samples_per_shard=2), r"shard-000000.tar holds 3 samples, more than samples_per_shard 2"),
+        (lambda v: v.update(prompts={"num_prompts": 5}, sampling={"samples_per_prompt": 1}),
+         r"prompts.num_prompts 5 x sampling.samples_per_prompt 1 = 5 samples, num_samples says 8"),
+    ],
+)  # fmt: skip
+def test_manifest_fields_that_contradict_each_other_are_named(tmp_path: Path, change: Any, pattern: str) -> None:
+    folder = dataset(tmp_path)
+    edit_manifest(folder, change)
+    with pytest.raises(ManifestError, match=pattern):
+        stream_all(folder, verify=False)
+    with pytest.raises(DatasetError, match=pattern):
+        validate_dataset(folder, progress=False)
+
+
+def set_meta(name: str, value: Any) -> Any:
+    def change(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        if value is KeyError:
+            del meta[name]
+        else:
+            meta[name] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "name,value,pattern",
+    [
+        ("prompt", 7, r"'prompt' is 7 \(int\), expected str"),
+        ("seed", "3", r"'seed' is '3' \(str\), expected int"),
+        ("seed", float("nan"), r"'seed' is nan \(float\), expected int"),
+        ("prompt_id", KeyError, r"lacks 'prompt_id'"),
+        ("index", 5, r"index 5 does not match the sample key 000000004"),
+        ("length", 5, r"length 5 but its arrays hold 6 rows"),
+    ],
+)
+def test_the_loader_checks_the_json_it_hands_on_as_the_validator_does(
+    tmp_path: Path, name: str, value: Any, pattern: str
+) -> None:
+    folder = dataset(tmp_path)
+    rewrite_shard(folder, 1, edit_sample("000000004", set_meta(name, value)))
+    where = rf"{folder / 'shard-000001.tar'}: sample 000000004, field 'json': .*{pattern}"
+    with pytest.raises(SampleError, match=where):
+        stream_all(folder)
+    with pytest.raises(DatasetError, match=where):
+        validate_dataset(folder, progress=False)
+
+
+def test_a_field_the_shards_hold_but_the_manifest_omits_is_an_error_when_the_config_reads_it(tmp_path: Path) -> None:
+    folder = dataset(tmp_path, optional=("aux", "uncond_hidden", "uncond_aux"))
+    edit_manifest(folder, lambda values: values["fields"].pop("uncond_aux"))
+    with pytest.raises(ManifestError, match=r"'fields' lacks 'uncond_aux', but shard-000000.tar holds it"):
+        stream_all(folder, load_uncond=True)
+    assert len(stream_all(folder, load_uncond=False)) == 4  # a config that does not read it trains as before
+    with pytest.raises(DatasetError, match=r"holds \['uncond_aux'\], which the manifest's 'fields' do not list"):
+        validate_dataset(folder, progress=False)
+
+
+@pytest.mark.parametrize(
+    "damage,pattern",
+    [
+        ("missing", r"lacks the member 'tokens.npy'"),
+        ("dtype", r"field 'tokens': dtype int32 with 1 dims, the manifest says int16"),
+        ("short", r"field lengths \{'tokens': 0\}"),
+    ],
+)
+def test_the_draft_vocabulary_count_names_the_shard_sample_and_field(tmp_path: Path, damage: str, pattern: str) -> None:
+    folder = dataset(tmp_path)
+
+    def change(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        if damage == "missing":
+            del arrays["tokens"]
+        elif damage == "dtype":
+            arrays["tokens"] = arrays["tokens"].astype(np.int32)
+        else:
+            arrays["tokens"] = arrays["tokens"][:0]
+            meta.pop("length")
+
+    rewrite_shard(folder, 2, edit_sample("000000007", change))
+    with pytest.raises(SampleError, match=rf"{folder / 'shard-000002.tar'}: sample 000000007.*{pattern}"):
+        count_image_tokens(folder, progress=False)
