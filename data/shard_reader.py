@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from data.shards import (
 )
 
 _ZERO_BLOCK = bytes(BLOCK)  # two of them end a tar
+RECORD = 20 * BLOCK
+"""tarfile (and GNU tar) pad an archive to a whole record of 20 blocks after its end-of-archive marker."""
 
 
 class BufferPool:
@@ -146,6 +150,14 @@ def iter_tar_members(
     if sha256 is not None and keep is not None:
         raise ValueError("iter_tar_members: hashing needs every byte, so `keep` cannot skip members")
     try:
+        mode = path.stat().st_mode  # before open(): opening a FIFO blocks until a writer comes
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing; {REEXTRACT}") from None
+    except OSError as error:
+        raise ShardError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ShardError(f"{path}: is not a regular file (a FIFO, socket or device); {REEXTRACT}")
+    try:
         file = open(path, "rb", buffering=0)
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing; {REEXTRACT}") from None
@@ -229,8 +241,15 @@ def _members(
             file.seek(end)
             yield name, None
         offset = end
+    # the end-of-archive marker (two zero blocks) and tarfile's padding to a whole record end the file
+    archive_end = RECORD * math.ceil((offset + 2 * BLOCK) / RECORD)
+    if file_size > archive_end:
+        raise ShardError(
+            f"{path}: holds {file_size - archive_end} bytes past its end-of-archive marker and padding (byte "
+            f"{archive_end}); {REEXTRACT}"
+        )
     if sha256 is not None:
-        while chunk := file.read(1 << 20):
+        while chunk := file.read(min(1 << 20, archive_end - file.tell())):
             sha256.update(chunk)
 
 

@@ -48,6 +48,9 @@ def validate_dataset(folder: str | Path, check_finite: bool = True, progress: bo
     total_samples = total_bytes = 0
     for info in tqdm(manifest.shards, desc="validate", unit="shard", disable=not progress):
         path = folder / info.name
+        if path.is_symlink() and not path.resolve().is_relative_to(folder.resolve()):
+            problems.append(f"{path}: is a symbolic link to {path.resolve()}, outside the dataset folder; copy it in")
+            continue
         sha256, count = hashlib.sha256(), 0
         try:
             for position, raw in enumerate(iter_raw_samples(path, sha256)):

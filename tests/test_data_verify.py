@@ -9,6 +9,7 @@ changed shard or manifest is hashed again.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -143,3 +144,30 @@ def test_a_fit_stops_before_its_first_step_on_a_flipped_byte_and_a_second_clean_
             assert f"{clean}: verified 2 shards" in out
         else:
             assert f"{clean}: verified 0 shards" in out and "2 unchanged since their last verification" in out
+
+
+def test_the_validator_and_the_reader_refuse_fifos_outside_links_and_bytes_past_the_archive_end(tmp_path: Path) -> None:
+    from data.errors import DatasetError
+    from data.shard_reader import iter_raw_samples
+    from data.validate import validate_dataset
+
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS)
+    fifo = folder / "shard-000000.tar"
+    fifo.unlink()
+    os.mkfifo(fifo)  # opening it would block until a writer came: refused from its mode, before open()
+    with pytest.raises(ShardError, match=r"shard-000000.tar: is not a regular file \(a FIFO"):
+        list(iter_raw_samples(fifo))
+    link = folder / "shard-000001.tar"
+    link.rename(tmp_path / "outside.tar")
+    link.symlink_to("/dev/zero")  # read as a shard, it never ends
+    tail = folder / "shard-000002.tar"
+    tail.write_bytes(tail.read_bytes() + bytes(20 * 512))  # a whole record past the padding
+    with pytest.raises(ShardError, match=r"holds 10240 bytes past its end-of-archive marker"):
+        list(iter_raw_samples(tail, hashlib.sha256()))
+    with pytest.raises(DatasetError) as error:
+        validate_dataset(folder, progress=False)
+    message = str(error.value)
+    assert "shard-000000.tar: is not a regular file" in message
+    assert "shard-000001.tar: is a symbolic link to /dev/zero, outside the dataset folder" in message
+    assert "shard-000002.tar: holds 10240 bytes past its end-of-archive marker" in message
