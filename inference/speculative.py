@@ -41,7 +41,15 @@ from inference.compiled import decoding_mode
 from inference.drafter import DraftContext, Drafter, to_rows
 from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import StaticTreeSpec, Tree, load_static_tree, node_range, select, tree_positions
+from inference.tree import (
+    StaticTreeSpec,
+    Tree,
+    check_static_paths,
+    load_static_tree,
+    node_range,
+    select,
+    tree_positions,
+)
 from inference.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -77,7 +85,9 @@ class DecoderConfig:
         if self.tree not in TREE_KINDS:
             raise ValueError(f"tree must be one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
         if isinstance(self.static_tree, str):
-            load_static_tree(self.static_tree)  # an unknown name or a bad file fails here, not mid-decode
+            load_static_tree(self.static_tree)  # an unknown name, a bad file or a hole fails here, not mid-decode
+        elif self.static_tree is not None:  # the paths themselves: a missing parent or sibling fails here too
+            check_static_paths(tuple(tuple(path) for path in self.static_tree), "DecoderConfig.static_tree")
         if self.top_k < 1 or self.depth < 1:
             raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
         most = 1 + self.top_k + (self.depth - 1) * self.top_k**2
