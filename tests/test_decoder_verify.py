@@ -15,6 +15,14 @@ import torch
 from reference_verify import reference_batch
 
 from inference.gsd_blocks import Ranking, block_slots, walk_blocks
+from inference.peer_rules import (
+    LANTERN_DELTA,
+    LANTERN_K,
+    LANTERN_PP_K,
+    LANTERN_PP_LAM,
+    LANTERN_PP_REPO_RUNS,
+    lantern_static_zeroes,
+)
 from inference.rule_inputs import packed_slots
 from inference.rules import (
     CascadeDevRule,
@@ -423,6 +431,22 @@ def test_lantern_follows_evaluate_posterior_by_hand():
     # The Lumina file zeroes p there instead: relu([0.4, 0.1, 0, 0, 0] - q) = [0.3, 0, 0, 0, 0] -> [1, 0, 0, 0, 0].
     rule = LanternRule(neighbours=neighbours, k=2, delta=0.25, static_zeroes="p")
     assert reject(*one_child(1, q), rule)[1] == pytest.approx([1, 0, 0, 0, 0])
+
+
+def test_lantern_defaults_are_the_published_settings():
+    # LANTERN: jadohu/LANTERN `evaluate_posterior(..., lantern_k=1000, lantern_delta=0.1)` (cascade.md §5.2).
+    lantern = LanternRule(neighbours=torch.zeros(3, LANTERN_K + 1, dtype=torch.long))
+    assert (lantern.k, lantern.delta, lantern.lam, LANTERN_K, LANTERN_DELTA) == (1000, 0.1, None, 1000, 0.1)
+    # LANTERN++: the CASCADE authors' baseline `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5, Round 3
+    # item 11): with lam set, k falls back to 10, not to LANTERN's 1000.
+    plus = LanternRule(neighbours=torch.zeros(3, 11, dtype=torch.long), lam=LANTERN_PP_LAM)
+    assert (plus.k, plus.lam, plus.name, LANTERN_PP_K, LANTERN_PP_LAM) == (10, 3.0, "lantern++", 10, 3.0)
+    # jadohu/LANTERN run.sh: --lantern_k 10 --lantern_delta 5, --lantern_k 5 --lantern_delta 10 and 20.
+    assert LANTERN_PP_REPO_RUNS == ((10, 5.0), (5, 10.0), (5, 20.0))
+    # the Lumina-mGPT file zeroes p at the latents on static trees, the LlamaGen file q (Janus: no file, q)
+    assert [lantern_static_zeroes(f) for f in ("lumina", "llamagen", "janus")] == ["p", "q", "q"]
+    with pytest.raises(ValueError, match="k=10 needs more"):  # the default k still needs its table
+        LanternRule(neighbours=torch.zeros(3, 10, dtype=torch.long), lam=3.0)
 
 
 def test_gsd_blocks_follow_the_cascade_authors_port_by_hand():
