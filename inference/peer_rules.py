@@ -72,7 +72,8 @@ class LanternRule:
     only the pooled ones ("pooled"). On sampled (static) trees the LlamaGen/Anole file zeroes the
     proposal q at those latents before relu(p - q), so they keep their p (`static_zeroes="q"`); the
     Lumina file zeroes p (`static_zeroes="p"`); `inference.generate.build_rule` picks the target family's
-    (`lantern_static_zeroes`).
+    (`lantern_static_zeroes`). Greedy decoding reads the unfiltered softmax of the guided logits, as the
+    authors' greedy path does (`inference.speculative.build_target_view`).
     """
 
     neighbours: Tensor
