@@ -43,6 +43,7 @@ from inference.autoregressive import generate_ar
 from inference.calibrate import load_calibration
 from inference.compiled import add_compile_argument, compile_decoding
 from inference.files import write_atomic, write_json
+from inference.peer_rules import LANTERN_K, LANTERN_PP_K, LANTERN_PP_LAM, lantern_static_zeroes
 from inference.rules import RULES, GSDRule, LanternRule, Rule
 from inference.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.verify import build_latent_neighbours, verify
@@ -132,8 +133,8 @@ def parse_rule_args(items: list[str] | None) -> dict[str, str]:
 
 
 def default_lantern_k(vocab: int) -> int:
-    """LANTERN's 1000 neighbours of 16384 codes, scaled to the codebook (at least 1)."""
-    return max(1, min(1000, vocab // 16))
+    """LANTERN's 1000 neighbours (`LANTERN_K`) of 16384 codes, scaled to the codebook (at least 1)."""
+    return max(1, min(LANTERN_K, vocab // 16))
 
 
 def build_rule(
@@ -147,8 +148,10 @@ def build_rule(
 
     CASCADE's tau_pos / tau_seq come from `drafter_dir/cascade_calibration.json` when that file exists
     (`inference.calibrate`; one written for another target is an error), unless `options` set them.
-    LANTERN rules get the target's VQ-codebook neighbour table; their k defaults to
-    `default_lantern_k(V)`, and LANTERN++ takes lam = 3.0 (the CASCADE dev baseline) unless given.
+    LANTERN rules get the target's VQ-codebook neighbour table. Unless `options` set them: LANTERN's k is
+    `default_lantern_k(V)`; LANTERN++ takes the CASCADE authors' baseline k = `LANTERN_PP_K` (10) and
+    lam = `LANTERN_PP_LAM` (3.0); and `static_zeroes` follows the target's family as LANTERN's own file for
+    it does (`lantern_static_zeroes`: "p" on Lumina-mGPT, "q" on LlamaGen).
     `codebook` (V, e), when given, stands in for the target's codebook (LANTERN, GSD), e.g. a random one
     for the random-weight targets of a latency run, which expose none.
     """
@@ -166,10 +169,13 @@ def build_rule(
         return RULE_CLASSES[name](**values)
     if name == "lantern" and values.get("lam") is not None:
         raise ValueError("lam sets LANTERN++'s multiplicative bound: use the rule lantern++")
-    if name == "lantern++" and values.setdefault("lam", 3.0) is None:
+    if name == "lantern++" and values.setdefault("lam", LANTERN_PP_LAM) is None:
         raise ValueError("lantern++ needs lam (its multiplicative bound); without it use the rule lantern")
+    values.setdefault("static_zeroes", lantern_static_zeroes(target.family))
     codebook = _codebook(name, target, codebook)
-    k = int(values.setdefault("k", default_lantern_k(codebook.shape[0])))  # type: ignore[call-overload]
+    if values.get("k") is None:  # unset, or "none": the mode's published default
+        values["k"] = LANTERN_PP_K if name == "lantern++" else default_lantern_k(codebook.shape[0])
+    k = int(values["k"])  # type: ignore[call-overload]
     if not 1 <= k <= codebook.shape[0] - 2:
         raise ValueError(f"lantern k must be in 1..{codebook.shape[0] - 2} for {codebook.shape[0]} codes, got {k}")
     return LanternRule(neighbours=build_latent_neighbours(codebook, k + 1), **values)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.generate import RULE_CLASSES
+from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
 
 SweepPoint = tuple[str, str, dict[str, object]]  # (series, rule, options)
 
@@ -35,8 +36,11 @@ SWEEP_GRID: list[SweepPoint] = [
     ),
     *_series("lantern", "lantern", *({"delta": d} for d in (0.05, 0.1, 0.2, 0.4))),
     *_series("lantern reject=pooled", "lantern", *({"delta": d, "reject_zeroes": "pooled"} for d in (0.1, 0.4))),
+    # LANTERN++: the CASCADE authors' baseline, then the LANTERN repository's runs (`inference.peer_rules`)
     *_series(
-        "lantern++", "lantern++", *({"lam": lam, "k": k} for lam, k in ((3.0, 10), (5.0, 10), (10.0, 5), (20.0, 5)))
+        "lantern++",
+        "lantern++",
+        *({"lam": lam, "k": k} for k, lam in ((LANTERN_PP_K, LANTERN_PP_LAM), *LANTERN_PP_REPO_RUNS)),
     ),
     *_series("gsd-blocks", "gsd-blocks", *({"group": g} for g in (2, 3, 5, 25))),
     *_series("gsd", "gsd", *({"p_threshold": t} for t in (0.05, 0.15))),

@@ -39,6 +39,29 @@ def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
     return mask.scatter_(-1, torch.where(keep, index, shape[-1]), True)[..., : shape[-1]]
 
 
+LANTERN_K = 1000
+"""LANTERN's k: `lantern_k=1000`, the default of jadohu/LANTERN's `evaluate_posterior` (cascade.md §5.2)."""
+LANTERN_DELTA = 0.1
+"""LANTERN's delta: `lantern_delta=0.1`, the same function's default (cascade.md §5.2)."""
+LANTERN_PP_K = 10
+"""LANTERN++'s k: the CASCADE authors' baseline, `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5, Round 3
+item 11)."""
+LANTERN_PP_LAM = 3.0
+"""LANTERN++'s lam: the same baseline (its `--lantern_delta 3.0`; a delta above 1 is LANTERN++'s lam)."""
+LANTERN_PP_REPO_RUNS: tuple[tuple[int, float], ...] = ((10, 5.0), (5, 10.0), (5, 20.0))
+"""(k, lam) of the LANTERN repository's own LANTERN++ runs (jadohu/LANTERN `run.sh`, Lumina-mGPT, static tree)."""
+LANTERN_STATIC_ZEROES = {"lumina": "p", "llamagen": "q"}
+"""`static_zeroes` by target family, as LANTERN's file for that family does it: the Lumina-mGPT file zeroes p at
+the latents, the LlamaGen (and Anole) file zeroes q (jadohu/LANTERN `models/ea_model_{lumina_mgpt,llamagen}.py`).
+LANTERN has no Janus file; other families take the dataclass default "q" (Janus-Pro generates with LlamaGen's
+VQ-16 codes, so the LlamaGen file is the nearest)."""
+
+
+def lantern_static_zeroes(family: str) -> str:
+    """The `static_zeroes` LANTERN's own code uses for a target of `family` ("q" where it has no file)."""
+    return LANTERN_STATIC_ZEROES.get(family, "q")
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LanternRule:
     """LANTERN (lam None) or LANTERN++ (lam set), as jadohu/LANTERN `evaluate_posterior` does it.
@@ -48,22 +71,36 @@ class LanternRule:
     removed and, if anything was pooled, its k + 1 nearest latents too ("code", the authors' code) or
     only the pooled ones ("pooled"). On sampled (static) trees the LlamaGen/Anole file zeroes the
     proposal q at those latents before relu(p - q), so they keep their p (`static_zeroes="q"`); the
-    Lumina file zeroes p (`static_zeroes="p"`).
+    Lumina file zeroes p (`static_zeroes="p"`); `inference.generate.build_rule` picks the target family's
+    (`lantern_static_zeroes`). Greedy decoding reads the unfiltered softmax of the guided logits, as the
+    authors' greedy path does (`inference.speculative.build_target_view`).
     """
 
     neighbours: Tensor
     """(V, L >= k + 1) int64: each code's other codes, nearest first (`build_latent_neighbours`)."""
-    k: int = 1000
-    delta: float = 0.1
+    k: int | None = None
+    """Nearest latents x may pool; None: the mode's published default, `LANTERN_K` (1000) for LANTERN,
+    `LANTERN_PP_K` (10) for LANTERN++. Set once built: `k` always reads an int after construction."""
+    delta: float = LANTERN_DELTA
+    """LANTERN's bound on the pooled mass (unused by LANTERN++)."""
     lam: float | None = None
+    """LANTERN++'s multiplicative bound, p~(x) <= lam p(x); None: LANTERN (`build_rule` gives lantern++
+    `LANTERN_PP_LAM`)."""
     reject_zeroes: str = "code"
+    """On rejection remove x's k + 1 nearest ("code", the authors') or only the pooled latents ("pooled")."""
     static_zeroes: str = "q"
+    """Sampled trees: zero q ("q", the LlamaGen/Anole file) or p ("p", the Lumina file) at the latents."""
 
     def __post_init__(self) -> None:
-        if self.k < 1:
+        if self.k is None:  # frozen: set through object, once, before anything reads it
+            object.__setattr__(self, "k", LANTERN_K if self.lam is None else LANTERN_PP_K)
+        if self.num_nearest < 1:
             raise ValueError(f"lantern k must be >= 1, got {self.k}")
-        if self.neighbours.shape[1] < self.k + (self.reject_zeroes == "code"):
-            raise ValueError(f"neighbour table has {self.neighbours.shape[1]} columns, k={self.k} needs more")
+        if self.neighbours.shape[1] < self.num_nearest + (self.reject_zeroes == "code"):
+            raise ValueError(
+                f"neighbour table has {self.neighbours.shape[1]} columns, k={self.k} needs more: "
+                "build it with build_latent_neighbours(codebook, k + 1)"
+            )
         if self.reject_zeroes not in ("code", "pooled"):
             raise ValueError(f"reject_zeroes must be 'code' or 'pooled', got {self.reject_zeroes!r}")
         if self.static_zeroes not in ("q", "p"):
@@ -79,15 +116,22 @@ class LanternRule:
     def name(self) -> str:
         return "lantern" if self.lam is None else "lantern++"
 
+    @property
+    def num_nearest(self) -> int:
+        """k as an int (`__post_init__` has replaced None by the mode's default)."""
+        if self.k is None:
+            raise ValueError("LanternRule.k is unset: construct the rule, which fills in the default")
+        return self.k
+
     def prepare(self, inputs: TreeInputs) -> Tensor:
-        zapped = self.k + 1 if self.reject_zeroes == "code" else self.k
+        zapped = self.num_nearest + 1 if self.reject_zeroes == "code" else self.num_nearest
         return _with_self(self.neighbours, zapped, inputs.probs.device)
 
     def _pooled(self, table: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor, Tensor]:
         """x and its neighbours (B, I, 1 + L'), which of x and its k nearest count (B, I, 1 + k; a prefix, x always),
         and p(x) plus the pooled mass (B, I)."""
         near = table[slot.x]  # (B, I, 1 + L'): x, then its nearest latents
-        counted = near if self.reject_zeroes == "pooled" else near[..., : self.k + 1]
+        counted = near if self.reject_zeroes == "pooled" else near[..., : self.num_nearest + 1]
         cumulative = slot.p.gather(2, counted).cumsum(-1)  # (B, I, 1 + k): p(x), p(x) + the nearest, ...
         p_x = cumulative[..., :1]
         # the pooled prefix sum stays <= delta (LANTERN) or <= (lam - 1) p(x) (LANTERN++)
@@ -127,7 +171,7 @@ class LanternRule:
         if draws is None or q_x is None or self.reject_zeroes != "code" or self.static_zeroes != "q":
             return None
         near = table[inputs.kid_tokens]  # (B, I, K, 2 + k): x, then its k + 1 nearest latents
-        counted = near[..., : self.k + 1].unbind(2)  # K x (B, I, 1 + k): x and the k nearest it may pool
+        counted = near[..., : self.num_nearest + 1].unbind(2)  # K x (B, I, 1 + k): x and the k nearest it may pool
         latents = near[..., 1:].unbind(2)  # K x (B, I, k + 1): what a rejection zaps
         residual = inputs.probs  # (B, I, V), unnormalised after the first slot
         cumulatives, over, totals = [], [], []

@@ -76,6 +76,7 @@ def processed_distribution(
     target: ImageTarget | None = None,
     token_index: Tensor | None = None,
     one_hot_greedy: bool = False,
+    unfiltered: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The one logits chain of AR sampling, drafting and verification: (R, ..., V) -> guided (B, ..., V), probs.
 
@@ -83,10 +84,13 @@ def processed_distribution(
     position predicts) the target's layout rule `constrain_logits`, then in fp32 temperature, top-k,
     top-p and softmax. Greedy settings (temperature 0) keep the logits unscaled, so the distribution still
     ranks the tokens, or with `one_hot_greedy` put all mass on the argmax (what AR sampling draws from).
+    `unfiltered` skips temperature, top-k and top-p: softmax(guided), what LANTERN's greedy verification reads.
     """
     guided = _guided(logits, settings, cfg, target, token_index)
     if one_hot_greedy:
         return guided, sampling_probabilities(guided, settings)
+    if unfiltered:
+        return guided, guided.softmax(-1)
     return guided, filter_logits(guided, settings).softmax(-1)
 
 

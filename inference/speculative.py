@@ -39,9 +39,17 @@ from torch import Tensor
 
 from inference.compiled import decoding_mode
 from inference.drafter import DraftContext, Drafter, to_rows
-from inference.rules import CascadeDevRule, CascadeRule, Rule, needs_every_node
+from inference.rules import CascadeDevRule, CascadeRule, LanternRule, Rule, needs_every_node
 from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import StaticTreeSpec, Tree, load_static_tree, node_range, select, tree_positions
+from inference.tree import (
+    StaticTreeSpec,
+    Tree,
+    check_static_paths,
+    load_static_tree,
+    node_range,
+    select,
+    tree_positions,
+)
 from inference.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
 from inference.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
@@ -77,7 +85,9 @@ class DecoderConfig:
         if self.tree not in TREE_KINDS:
             raise ValueError(f"tree must be one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
         if isinstance(self.static_tree, str):
-            load_static_tree(self.static_tree)  # an unknown name or a bad file fails here, not mid-decode
+            load_static_tree(self.static_tree)  # an unknown name, a bad file or a hole fails here, not mid-decode
+        elif self.static_tree is not None:  # the paths themselves: a missing parent or sibling fails here too
+            check_static_paths(tuple(tuple(path) for path in self.static_tree), "DecoderConfig.static_tree")
         if self.top_k < 1 or self.depth < 1:
             raise ValueError(f"top_k and depth must be >= 1, got top_k={self.top_k}, depth={self.depth}")
         most = 1 + self.top_k + (self.depth - 1) * self.top_k**2
@@ -197,9 +207,11 @@ def build_target_view(
     `constrain_logits` is applied right after CFG. Given `nodes` (I,), the tree's inner nodes (and
     `node_row`, `Tree.inner_row`), `out.logits` holds only their logits (R, I, V) (the forward's
     `logits_at`), and the view computes a leaf's distribution from `out.hidden` when a walk ends there.
+    Greedy LANTERN reads the unfiltered softmax of the guided logits (`greedy_reads_unfiltered`).
     """
     index = None if token_index is None else select(token_index, nodes)
-    guided, probs = processed_distribution(out.logits, settings, cfg, target, index)  # (B, I, V) each
+    unfiltered = greedy and greedy_reads_unfiltered(rule)
+    guided, probs = processed_distribution(out.logits, settings, cfg, target, index, unfiltered=unfiltered)
     batch = guided.shape[0]
     features = None
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
@@ -220,11 +232,20 @@ def build_target_view(
             hidden = out.hidden.gather(1, to_rows(node, cfg)[:, None, None].expand(-1, 1, out.hidden.shape[-1]))
             leaf_index = None if token_index is None else token_index.gather(1, node[:, None])  # (B, 1)
             leaf_logits = target.image_head(hidden)  # (R, 1, V)
-            leaf_guided, leaf_probs = processed_distribution(leaf_logits, settings, cfg, target, leaf_index)
+            leaf_guided, leaf_probs = processed_distribution(
+                leaf_logits, settings, cfg, target, leaf_index, unfiltered=unfiltered
+            )
             return leaf_probs.squeeze(1), leaf_guided.squeeze(1).argmax(-1)  # over (B, 1, V)
 
     greedy_tokens = guided.argmax(-1) if greedy else None
     return TargetView(probs, greedy_tokens, features, nodes, None if nodes is None else node_row, at_leaf)
+
+
+def greedy_reads_unfiltered(rule: Rule) -> bool:
+    """Whether greedy verification under `rule` reads softmax(guided logits) without top-k / top-p: LANTERN's
+    does (jadohu/LANTERN `evaluate_posterior_v1` with no logits processor: `torch.softmax(logits)`, then the pooled
+    neighbour mass against it), so its relaxed mass and the competing tokens' p are the full distribution's."""
+    return isinstance(rule, LanternRule)
 
 
 def inner_view_pays(num_inner: int, num_nodes: int) -> bool:

@@ -7,7 +7,8 @@ so the children of a node appear in draw order (static, sampled drafts) or draft
 (dynamic, deterministic drafts), which is the order verification tries them in (cascade.md §8).
 
 - Static trees (`StaticTreeSpec`, e.g. `NAIVE_EXTEND_57`) fix the shape: a node is the c-th child of
-  its parent, and it receives the parent's c-th draw from the drafter distribution q.
+  its parent, and it receives the parent's c-th draw from the drafter distribution q; a c-th child needs
+  the children before it (`check_static_paths`), or verification would test it as an earlier draw.
 - Dynamic trees (EAGLE-2) grow the top-k frontier by cumulative log q and keep the best
   `total_tokens` nodes; their shape differs per row (drafting and its selection steps:
   `inference.tree_drafting`).
@@ -79,7 +80,46 @@ def load_static_tree(source: str) -> tuple[tuple[int, ...], ...]:
             f"static tree file {source}: field 'paths' must be a list of non-empty lists of child indices >= 0, "
             f"e.g. [[0], [1], [0, 0]]; got {str(paths)[:80]}"
         )
-    return tuple(tuple(path) for path in paths)
+    loaded = tuple(tuple(path) for path in paths)
+    check_static_paths(loaded, f"static tree file {source}, field 'paths'")
+    return loaded
+
+
+def check_static_paths(paths: tuple[tuple[int, ...], ...], where: str = "static tree") -> None:
+    """Refuse a static list that is not a tree of draws: every path needs its parent path and, for a c-th
+    child (c > 0), its earlier sibling (..., c - 1).
+
+    Why the sibling: node (..., c) receives its parent's (c + 1)-th draw without replacement, but verification
+    tests a child against q with only the *listed* earlier siblings removed (`inference.verify.draw_probabilities`,
+    recursive rejection sampling; cascade.md Round 3, item 12). With a hole the draw before it was taken from q
+    and never tested, so even `exact` is lossy: V = 3, p uniform, q = (0.6, 0.3, 0.1) and the list ((0,), (2,))
+    emit (0.333, 0.311, 0.356), TV 0.022.
+
+    Args:
+        paths: child-index paths, e.g. ((0,), (1,), (0, 0)).
+        where: what the error names first: the list's name, or its file and field.
+    Raises:
+        ValueError: naming the offending path, the missing one and how to fix the list.
+    """
+    given = set(paths)
+    if len(given) != len(paths):
+        repeated = sorted({path for path in paths if paths.count(path) > 1})
+        raise ValueError(f"{where}: tree paths must be distinct; {repeated} appear more than once")
+    for path in sorted(paths, key=lambda path: (len(path), path)):
+        if not path or min(path) < 0:
+            raise ValueError(f"{where}: tree path {path} is empty or negative; child indices are >= 0, e.g. (0, 1)")
+        parent = path[:-1]
+        if parent and parent not in given:
+            raise ValueError(f"{where}: tree path {path} lacks its parent path {parent}: add {parent} or remove {path}")
+        sibling = parent + (path[-1] - 1,)
+        if path[-1] > 0 and sibling not in given:
+            listed = sum(parent + (c,) in given for c in range(path[-1]))  # earlier siblings that are in the list
+            raise ValueError(
+                f"{where}: tree path {path} has a hole: its earlier sibling {sibling} is missing, so it would take "
+                f"its parent's draw {path[-1] + 1} while verification tests it as draw {listed + 1} (lossy even "
+                f"under exact). Add {sibling}, or renumber the children of {parent or 'the root'} 0, 1, 2, ... "
+                "in draw order"
+            )
 
 
 @dataclass
@@ -306,13 +346,7 @@ class StaticTreeSpec:
     paths: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        known: set[tuple[int, ...]] = {()}
-        for path in sorted(self.paths, key=len):
-            if not path or path[:-1] not in known or min(path) < 0:
-                raise ValueError(f"tree path {path} is empty, negative or lacks its parent path {path[:-1]}")
-            known.add(path)
-        if len(known) != len(self.paths) + 1:
-            raise ValueError("tree paths must be distinct")
+        check_static_paths(self.paths)
 
     @cached_property
     def order(self) -> list[tuple[int, ...]]:

@@ -35,6 +35,8 @@ through `TargetView.at_leaf`.
 - Greedy (temperature 0): every child is tested against the unmodified target at its parent (exact:
   x is the argmax; relaxed rules: x's relaxed mass exceeds every other token's p) and the deepest
   node whose whole path passes is accepted (LANTERN's longest accepted path); the bonus is the argmax.
+  LANTERN's p there is the unfiltered softmax, as in its authors' greedy code (`TargetView.probs`, built by
+  `inference.speculative.build_target_view`).
 
 Shapes: B rows, N tree nodes, I nodes the view covers (a static tree's inner nodes, else N), K child
 slots, V vocabulary, P path length (max depth + 1), D features.

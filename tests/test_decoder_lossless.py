@@ -319,3 +319,51 @@ def test_peer_rules_are_measured_against_their_bounds(case):
     tvs = {name: output_tv(world, batches, rule) for name, rule in rules.items()}
     assert all(0.0 <= tv <= 1.0 for tv in tvs.values())
     assert tvs["lantern"] > 1e-4 and tvs["gsd-blocks"] > 1e-4  # they do relax
+
+
+def first_token_distribution(p: torch.Tensor, q: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+    """Exact distribution of the first token one `exact` step emits when the root's children are its draws `ranks`
+    (0-based, without replacement from q; (0, 2) skips the second), enumerated over every draw and accept/reject.
+
+    The tree is built by hand from the draws, as a static list ((0,), (2,)) would draft it: `StaticTreeSpec`
+    refuses that list, which is why the tree is not drawn with it here."""
+    vocab, width = p.shape[0], len(ranks)
+    out = torch.zeros(vocab, dtype=torch.float64)
+    for seq in itertools.permutations(range(vocab), max(ranks) + 1):
+        left, prob = 1.0, 1.0
+        for y in seq:  # the probability of this ordered draw
+            prob, left = prob * float(q[y]) / left, left - float(q[y])
+        tree = Tree(
+            torch.tensor([[0, *(seq[r] for r in ranks)]]), torch.tensor([[-1] + [0] * width]),
+            torch.tensor([[0] + [1] * width]), q.float().expand(1, width + 1, -1), True, 1, width,
+        )  # fmt: skip
+        view = TargetView(p.float().expand(1, width + 1, -1), None, None)
+        for pattern in itertools.product((0.0, 1.0), repeat=width):  # 0 forces an accept, 1 a reject
+            verdict = verify(tree, view, ExactRule(), Uniforms(torch.tensor(pattern).view(1, 1, width), torch.zeros(1)))
+            chance = verdict.accept_prob[0, 0].double()
+            made = ~torch.isnan(chance)
+            factor = torch.where(torch.tensor(pattern) == 0.0, chance, 1 - chance)
+            weight = prob * float(torch.where(made, factor, 0.5).prod())  # patterns differing off the walk share
+            node = int(verdict.last_node[0])
+            if node:
+                out[int(tree.tokens[0, node])] += weight
+            else:
+                out += weight * verdict.final_probs[0].double()
+    return out
+
+
+def test_a_static_tree_with_a_hole_is_refused_at_build_time_because_exact_would_lose():
+    """Issue 41, item 6: ((0,), (2,)) takes the root's first and third draws, but verification tests the second
+    child as the second draw. With V = 3, p uniform and q = (0.6, 0.3, 0.1) `exact` then emits (1/3, 0.311,
+    0.356), TV 0.022, while the hole-free ((0,), (1,)) is lossless; so the list is refused when it is built."""
+    p = torch.full((3,), 1 / 3, dtype=torch.float64)
+    q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    holed = first_token_distribution(p, q, (0, 2))
+    assert holed.sum() == pytest.approx(1.0, abs=1e-9)
+    assert holed.tolist() == pytest.approx([1 / 3, 0.3111, 0.3556], abs=1e-4)
+    assert 0.5 * (holed - p).abs().sum() == pytest.approx(0.0222, abs=1e-4)
+    assert first_token_distribution(p, q, (0, 1)).tolist() == pytest.approx(p.tolist(), abs=1e-6)
+    with pytest.raises(ValueError, match=r"tree path \(2,\) has a hole: its earlier sibling \(1,\) is missing"):
+        StaticTreeSpec(((0,), (2,)))
+    with pytest.raises(ValueError, match=r"tree path \(0, 1\) has a hole"):  # the enumeration's shape with a hole
+        StaticTreeSpec(tuple(path for path in STATIC_SHAPE if path != (0, 0) and path != (0, 0, 0)))

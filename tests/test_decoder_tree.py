@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
 from inference.sampling import Proposal
+from inference.speculative import DecoderConfig
 from inference.tree import (
     MC_SIM_7B_63,
     NAIVE_EXTEND_57,
+    STATIC_TREES,
     StaticTreeSpec,
     Tree,
     ancestor_mask,
     ancestor_paths,
     children_table,
     leaf_paths,
+    load_static_tree,
     node_paths,
     select,
     selection,
@@ -50,8 +56,47 @@ def test_naive_extend_57_has_lanterns_level_sizes():
 
 
 def test_static_spec_rejects_paths_without_parents():
-    with pytest.raises(ValueError, match="lacks its parent"):
+    with pytest.raises(ValueError, match=r"static tree: tree path \(1, 0\) lacks its parent path \(1,\): add \(1,\)"):
         StaticTreeSpec(((0,), (1, 0)))
+    with pytest.raises(ValueError, match=r"tree path \(0, 0\) lacks its parent path \(0,\)"):  # (0, 1) too
+        StaticTreeSpec(((0, 0), (0, 1)))
+
+
+@pytest.mark.parametrize(
+    ("paths", "missing", "parent"),
+    [
+        (((0,), (2,)), "(1,)", "the root"),  # the issue's instance: (2,) takes the root's third draw
+        (((1,),), "(0,)", "the root"),
+        (((0,), (1,), (0, 1)), "(0, 0)", "(0,)"),
+        (((0,), (1,), (2,), (0, 0), (0, 1), (0, 3)), "(0, 2)", "(0,)"),
+    ],
+)
+def test_static_spec_rejects_a_child_without_its_earlier_sibling(paths, missing, parent):
+    hole = re.escape(f"its earlier sibling {missing} is missing")
+    fix = re.escape(f"Add {missing}, or renumber the children of {parent} 0, 1, 2")
+    with pytest.raises(ValueError, match=f"{hole}.*{fix}"):
+        StaticTreeSpec(paths)
+    with pytest.raises(ValueError, match=f"DecoderConfig.static_tree: .*{hole}"):
+        DecoderConfig(static_tree=paths)
+
+
+def test_a_tree_file_with_a_hole_is_refused_naming_the_file_and_the_path(tmp_path):
+    holed = tmp_path / "holed.json"
+    holed.write_text(json.dumps({"paths": [[0], [1], [0, 0], [0, 2]]}))
+    message = re.escape(f"static tree file {holed}, field 'paths': tree path (0, 2) has a hole") + ".*Add \\(0, 1\\)"
+    with pytest.raises(ValueError, match=message):
+        load_static_tree(str(holed))
+    with pytest.raises(ValueError, match=message):  # at construction, not mid-decode
+        DecoderConfig(static_tree=str(holed))
+
+
+def test_every_shipped_static_tree_builds():
+    """The named lists (and so the targets' defaults) have no holes and no orphans."""
+    for name, paths in STATIC_TREES.items():
+        spec = DecoderConfig(static_tree=name).spec
+        assert spec.paths == paths and spec.num_nodes == len(paths) + 1, name
+        for path in paths:  # closed under parents and earlier siblings, the property check_static_paths enforces
+            assert path[:-1] in set(paths) | {()} and (path[-1] == 0 or path[:-1] + (path[-1] - 1,) in paths), name
 
 
 def test_ancestor_mask_children_and_paths_match_a_per_node_walk():

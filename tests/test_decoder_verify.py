@@ -15,6 +15,14 @@ import torch
 from reference_verify import reference_batch
 
 from inference.gsd_blocks import Ranking, block_slots, walk_blocks
+from inference.peer_rules import (
+    LANTERN_DELTA,
+    LANTERN_K,
+    LANTERN_PP_K,
+    LANTERN_PP_LAM,
+    LANTERN_PP_REPO_RUNS,
+    lantern_static_zeroes,
+)
 from inference.rule_inputs import packed_slots
 from inference.rules import (
     CascadeDevRule,
@@ -28,6 +36,7 @@ from inference.rules import (
 )
 from inference.sampling import Proposal
 from inference.similarity import mass_above
+from inference.speculative import build_target_view
 from inference.tree import StaticTreeSpec, Tree
 from inference.tree_drafting import gumbel_topk
 from inference.verify import (
@@ -38,6 +47,7 @@ from inference.verify import (
     slot_tables,
     verify,
 )
+from models.target import SamplingDefaults, TargetOutput
 
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 1, 0))
 # six children under the root, four under each of the first three: more slots than a static preset has
@@ -423,6 +433,45 @@ def test_lantern_follows_evaluate_posterior_by_hand():
     # The Lumina file zeroes p there instead: relu([0.4, 0.1, 0, 0, 0] - q) = [0.3, 0, 0, 0, 0] -> [1, 0, 0, 0, 0].
     rule = LanternRule(neighbours=neighbours, k=2, delta=0.25, static_zeroes="p")
     assert reject(*one_child(1, q), rule)[1] == pytest.approx([1, 0, 0, 0, 0])
+
+
+def test_lantern_defaults_are_the_published_settings():
+    # LANTERN: jadohu/LANTERN `evaluate_posterior(..., lantern_k=1000, lantern_delta=0.1)` (cascade.md §5.2).
+    lantern = LanternRule(neighbours=torch.zeros(3, LANTERN_K + 1, dtype=torch.long))
+    assert (lantern.k, lantern.delta, lantern.lam, LANTERN_K, LANTERN_DELTA) == (1000, 0.1, None, 1000, 0.1)
+    # LANTERN++: the CASCADE authors' baseline `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5, Round 3
+    # item 11): with lam set, k falls back to 10, not to LANTERN's 1000.
+    plus = LanternRule(neighbours=torch.zeros(3, 11, dtype=torch.long), lam=LANTERN_PP_LAM)
+    assert (plus.k, plus.lam, plus.name, LANTERN_PP_K, LANTERN_PP_LAM) == (10, 3.0, "lantern++", 10, 3.0)
+    # jadohu/LANTERN run.sh: --lantern_k 10 --lantern_delta 5, --lantern_k 5 --lantern_delta 10 and 20.
+    assert LANTERN_PP_REPO_RUNS == ((10, 5.0), (5, 10.0), (5, 20.0))
+    # the Lumina-mGPT file zeroes p at the latents on static trees, the LlamaGen file q (Janus: no file, q)
+    assert [lantern_static_zeroes(f) for f in ("lumina", "llamagen", "janus")] == ["p", "q", "q"]
+    with pytest.raises(ValueError, match="k=10 needs more"):  # the default k still needs its table
+        LanternRule(neighbours=torch.zeros(3, 10, dtype=torch.long), lam=3.0)
+
+
+def test_greedy_lantern_reads_the_unfiltered_softmax_as_its_authors_code_does():
+    """jadohu/LANTERN's greedy path (`evaluate_posterior_v1`, no logits processor) pools neighbours' mass from
+    softmax(logits); a top-k-filtered p would hide x's neighbours. p = [0.4, 0.3, 0.2, 0.05, 0.05], top-k 2, x = 1
+    with nearest latents 2, 4: unfiltered, p~(1) = 0.3 + 0.25 = 0.55 > p(0) = 0.4 passes; filtered to {0, 1},
+    nothing can be pooled and 0.43 < 0.57 fails. `exact` keeps the filtered view (only the argmax matters)."""
+    neighbours = torch.tensor([[1, 2, 3, 4], [2, 4, 3, 0], [1, 0, 3, 4], [2, 1, 0, 4], [1, 2, 3, 0]])
+    rule = LanternRule(neighbours=neighbours, k=2, delta=0.25)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05])
+    out = TargetOutput(logits=p.log().expand(1, 2, -1), hidden=torch.zeros(1, 2, 4))
+    greedy = SamplingDefaults(cfg_scale=1.0, temperature=0.0, top_k=2)
+    tree = Tree(
+        torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), torch.zeros(1, 2, 5), False, 1, 1
+    )
+    view = build_target_view(out, rule, greedy, cfg=False, greedy=True)
+    assert view.probs[0, 0].tolist() == pytest.approx(p.tolist())
+    assert int(verify(tree, view, rule, Uniforms.draw(tree, None), greedy=True).num_accepted[0]) == 1
+    filtered = build_target_view(out, ExactRule(), greedy, cfg=False, greedy=True)
+    assert filtered.probs[0, 0].tolist() == pytest.approx([0.4 / 0.7, 0.3 / 0.7, 0, 0, 0])
+    assert int(verify(tree, filtered, rule, Uniforms.draw(tree, None), greedy=True).num_accepted[0]) == 0
+    sampled = build_target_view(out, rule, dataclasses.replace(greedy, temperature=1.0), cfg=False, greedy=False)
+    assert sampled.probs[0, 0].tolist() == pytest.approx([0.4 / 0.7, 0.3 / 0.7, 0, 0, 0])  # sampling filters
 
 
 def test_gsd_blocks_follow_the_cascade_authors_port_by_hand():

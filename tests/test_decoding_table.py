@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from conftest import build_tiny_toy_target
 from PIL import Image
 
 from inference.decoding_table import main
+from inference.methods import SWEEP_GRID, load_grid
+from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 
@@ -58,3 +61,13 @@ def test_bad_requests_are_refused_before_decoding(drafter, tmp_path, extra, mess
     with pytest.raises(SystemExit, match=message):
         main([*argv, *extra])
     assert not (tmp_path / "t").exists()
+
+
+def test_the_shipped_grid_lists_lanterns_published_settings():
+    """configs/decoding_table.json (and bench's SWEEP_GRID) run LANTERN++ at the CASCADE authors' baseline (k 10,
+    lam 3) and at the LANTERN repository's own runs (run.sh: k 10 lam 5, k 5 lam 10, k 5 lam 20)."""
+    published = {(LANTERN_PP_K, LANTERN_PP_LAM), *LANTERN_PP_REPO_RUNS}
+    assert published == {(10, 3.0), (10, 5.0), (5, 10.0), (5, 20.0)}
+    for grid in (load_grid(Path(__file__).parents[1] / "configs" / "decoding_table.json"), SWEEP_GRID):
+        lantern_pp = {(o["k"], o["lam"]) for series, rule, o in grid if rule == "lantern++"}
+        assert lantern_pp == published

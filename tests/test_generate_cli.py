@@ -10,7 +10,8 @@ import torch
 from conftest import build_tiny_toy_target
 from PIL import Image
 
-from inference.generate import build_rule, main
+from inference.generate import build_rule, default_lantern_k, main
+from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 from models.toy.world import PATCH_SIZE
@@ -94,6 +95,23 @@ def test_build_rule_parses_every_field_type(tiny_target):
     assert build_rule("lantern++", tiny_target).lam == 3.0
     assert build_rule("gsd-blocks", tiny_target, {"group": "7"}).group == 7
     assert build_rule("gsd", tiny_target, {"window": "6"}).window == 6
+
+
+def test_build_rule_gives_lantern_its_published_defaults_by_target_family(tiny_target):
+    """LANTERN++ without settings is the CASCADE authors' baseline (k 10, lam 3; cascade.md §3.5), not k 1000;
+    static_zeroes follows LANTERN's file for the target's family (LlamaGen: q, Lumina-mGPT: p); options win."""
+    assert tiny_target.family == "llamagen"  # the toy world's LlamaGen
+    plus = build_rule("lantern++", tiny_target)
+    assert (plus.k, plus.lam, plus.static_zeroes) == (LANTERN_PP_K, LANTERN_PP_LAM, "q") == (10, 3.0, "q")
+    assert plus.neighbours.shape == (64, 11)  # the table is sized for the default k (+ 1 zapped on rejection)
+    lantern = build_rule("lantern", tiny_target, {"k": "none"})  # "none": the mode's default, scaled to V = 64
+    assert (lantern.k, lantern.delta, lantern.static_zeroes) == (default_lantern_k(64), 0.1, "q") == (4, 0.1, "q")
+    tiny_target.family = "lumina"  # this instance only (the fixture builds one per test)
+    assert build_rule("lantern++", tiny_target).static_zeroes == "p"
+    assert build_rule("lantern", tiny_target).static_zeroes == "p"
+    assert build_rule("lantern++", tiny_target, {"static_zeroes": "q", "k": "5"}).static_zeroes == "q"
+    with pytest.raises(ValueError, match="lantern k must be in 1..62 for 64 codes, got 80"):
+        build_rule("lantern++", tiny_target, {"k": "80"})
 
 
 def test_tree_options_must_fit_the_tree_kind():
