@@ -3,6 +3,9 @@
     report = verify_shards("outputs/shards/toy", manifest)          # hashes what the stamp does not vouch for
     print(report.summary())                                          # "verified 4 shards (0.5 MB) in 0.01 s ..."
 
+    python -m data.verify outputs/shards/toy            # the same from the shell (what fit.py runs first)
+    python -m data.verify outputs/shards/toy --rehash   # ignore the stamp: hash every shard (a timing)
+
 The DataModule reads shards sample by sample and checks every value it decodes (NaN/Inf, token ids,
 shapes), but a flipped byte inside a valid float, a valid token id changed into another or an edited
 prompt decode cleanly. Only the manifest's sha256 catches those, and hashing every shard at every
@@ -19,16 +22,18 @@ written atomically and only ever records shards that verified.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.errors import ShardError
-from data.manifest import MANIFEST_NAME, Manifest
+from data.manifest import MANIFEST_NAME, Manifest, load_manifest
 from data.shard_reader import REEXTRACT, iter_raw_samples
 
 STAMP_NAME = ".verified.json"
@@ -177,3 +182,26 @@ def _write_stamp(path: Path, values: dict) -> None:
     with os.fdopen(handle, "w") as file:
         json.dump(values, file, indent=1)
     os.replace(temporary, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dataset", type=Path, help="dataset folder (manifest.json + shards)")
+    parser.add_argument("--rehash", action="store_true", help="hash every shard, whatever the stamp says")
+    args = parser.parse_args(argv)
+    try:
+        manifest = load_manifest(args.dataset)
+        if args.rehash:
+            (args.dataset / STAMP_NAME).unlink(missing_ok=True)
+        report = verify_shards(args.dataset, manifest)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: {report.summary()}")
+    for problem in report.failed.values():
+        print(f"  {problem}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
