@@ -345,7 +345,7 @@ def decode_sample(
     Args:
         raw: one group from `iter_raw_samples`.
         fields: the fields to decode (all, or a subset, of the manifest's).
-        num_tokens: G; a sample's length must lie in 1..G.
+        num_tokens: G; every field of a sample holds G rows (one per image token).
         shard: the shard's path, for error messages.
         vocab_size: V, the target's image vocabulary (`manifest.target.image_vocab_size`); token ids
             must lie in 0..V-1. None skips the range check.
@@ -412,10 +412,10 @@ def decode_sample(
             f"{shard}: sample {key}, field 'json': length {stated!r} but its arrays hold {lengths.get('tokens')} rows; "
             f"{REEXTRACT}"
         )
-    if len(set(lengths.values())) != 1 or not 0 < lengths["tokens"] <= num_tokens:
+    if set(lengths.values()) != {num_tokens}:  # extraction records every image token of every sample
         raise SampleError(
-            f"{shard}: sample {key}: field lengths {lengths}, expected one length in 1..{num_tokens} (the "
-            f"manifest's num_tokens); {REEXTRACT}"
+            f"{shard}: sample {key}: field lengths {lengths}, expected {num_tokens} rows in every field (the "
+            f"manifest's num_tokens: one row per image token); {REEXTRACT}"
         )
     if check_values:
         for name, spec in fields.items():

@@ -137,3 +137,13 @@ def test_the_draft_vocabulary_count_names_the_shard_sample_and_field(tmp_path: P
     rewrite_shard(folder, 2, edit_sample("000000007", change))
     with pytest.raises(SampleError, match=rf"{folder / 'shard-000002.tar'}: sample 000000007.*{pattern}"):
         count_image_tokens(folder, progress=False)
+
+
+def test_a_sample_with_fewer_rows_than_num_tokens_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS, lengths=lambda index: 4 if index == 5 else 6)
+    where = rf"{folder / 'shard-000001.tar'}: sample 000000005: field lengths .*'tokens': 4.*expected 6 rows"
+    with pytest.raises(SampleError, match=where):
+        stream_all(folder)
+    with pytest.raises(DatasetError, match=where):
+        validate_dataset(folder, progress=False)

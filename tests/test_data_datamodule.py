@@ -176,9 +176,14 @@ def test_workers_split_the_rank_and_keep_epochs_apart(tmp_path):
 
 
 def test_collate_pads_to_the_longest_with_a_loss_mask(tmp_path):
-    write_dataset(tmp_path, [3], lengths=lambda i: [2, 6, 4][i])
+    """Datasets hold num_tokens rows per sample (the reader refuses others); collation still pads shorter rows."""
+    write_dataset(tmp_path, [3])
     data = stream(tmp_path, shuffle=False)
-    batch = next(iter(data))
+    samples = [next(iter(data._read_segment([i], data.shards[0], [], BufferPool()))) for i in range(3)]
+    for sample, length in zip(samples, [2, 6, 4], strict=True):
+        for name in data.fields:
+            sample[name] = sample[name][:length]
+    batch = collate_samples(samples, data.fields, num_tokens=6)
     assert batch["tokens"].shape == (3, 6) and batch["hidden"].shape == (3, 6, 8) and batch["aux"].shape == (3, 6, 24)
     assert batch["hidden"].dtype == torch.float16 and batch["tokens"].dtype == torch.int64
     assert batch["lengths"].tolist() == [2, 6, 4]
