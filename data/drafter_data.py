@@ -21,6 +21,7 @@ import lightning as L
 
 from data.data_config import DataConfig
 from data.datamodule import FeatureDataModule
+from data.extract_config import resolve_config_path
 from data.shards import TargetIdentity
 from models.registry import shared_target
 
@@ -141,14 +142,4 @@ def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
     return overrides
 
 
-def resolve_config_path(name: str | Path) -> Path:
-    """A config file path, or a bare name looked up in the repository's `configs/` (`demo` -> configs/demo.yaml)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    configs = Path(__file__).resolve().parent.parent / "configs"
-    for candidate in (configs / path, configs / f"{path}.yaml", configs / f"{path}.yml"):
-        if candidate.is_file():
-            return candidate
-    known = sorted(p.stem for p in configs.glob("*.yaml"))
-    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a name in {configs}; known names: {known}")
+__all__ = ["DrafterDataModule", "dotted_overrides", "resolve_config_path"]

@@ -1,6 +1,7 @@
 """Feature extraction: run a target over a prompt set and record what a drafter learns from.
 
     python data/extract.py --config configs/extract_toy.yaml                 # or: python -m data.extract ...
+    python -m data.extract --config extract_toy                              # a bare name resolves in configs/
     python data/extract.py --config configs/extract_toy.yaml out_dir=shards/toy batch_size=32
     python data/extract.py --config configs/extract_toy.yaml --prompts.count 16 --print_config   # LightningCLI style
     torchrun --nproc_per_node 4 data/extract.py --config configs/extract_toy.yaml
@@ -49,7 +50,7 @@ import yaml
 from torch import Tensor
 from tqdm import tqdm
 
-from data.extract_config import ExtractConfig, load_config, split_dotted_flags
+from data.extract_config import ExtractConfig, load_config, resolve_config_path, split_dotted_flags
 from data.fp8 import FLOAT16_MAX, FP8_DTYPE, quantize_rows, scale_member
 from data.manifest import field_widths
 from data.prompts import Prompt, load_prompts
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.config is None and not args.overrides:
                 raise ValueError("give --config FILE (and optional key=value overrides), --validate DIR or --merge DIR")
-            config = load_config(args.config, args.overrides)
+            config = load_config(resolve_config_path(args.config) if args.config else None, args.overrides)
             if args.print_config:
                 print(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), end="")
                 return 0

@@ -130,3 +130,16 @@ def split_dotted_flags(argv: list[str], known: set[str]) -> tuple[list[str], lis
             raise ValueError(f"{token} needs a value (e.g. {token} 16)")
         index += 1
     return rest, overrides
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A config file path, or a bare name looked up in the repository's `configs/` (`demo` -> configs/demo.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for candidate in (configs / path, configs / f"{path}.yaml", configs / f"{path}.yml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in configs.glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a name in {configs}; known names: {known}")

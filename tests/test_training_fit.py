@@ -301,6 +301,11 @@ def test_fit_end_to_end(form: str, tiny_dataset: Path, tmp_path: Path):
     assert "simulated acceptance length" in result.stdout and "untrained ->" in result.stdout
     assert f"tensorboard --logdir {run_dir}" in result.stdout
     assert "steps: 3" in result.stdout
+    # stdout is a pipe, not a terminal: a plain progress line every log_every_n_steps (1) steps
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], lines
+    assert all("loss " in line and "steps/s" in line and "left" in line for line in lines), lines
+    assert "tau_sim -" in lines[0] and "tau_sim 1." in lines[-1]  # the validation before training, then after step 2
 
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["trainer"]["max_steps"] == 3

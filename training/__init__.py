@@ -1,1 +1,2 @@
-"""Training: the toy target's training script, and (to come) fit.py, the drafter LightningModule and export."""
+"""Drafter training: `fit.py` (LightningCLI), the `DrafterSystem` LightningModule, its objective and losses,
+online features, callbacks (decoding validation, progress), DeepSpeed on CPU, checkpoints, Hub export and benchmarks."""

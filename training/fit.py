@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE as RICH_AVAILABL
 
 from data.drafter_data import DrafterDataModule, resolve_config_path
 from data.errors import DatasetError
-from training.callbacks import StepBoundedProgressBar, gathered_parameters
+from training.callbacks import ProgressLines, StepBoundedProgressBar, gathered_parameters
 from training.run_folder import RunFolderError, RunPlan, clear_run, plan_run
 from training.system import DrafterSystem
 
@@ -141,15 +141,21 @@ class DrafterCLI(LightningCLI):
         self.run_plan = plan
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """The trainer, with the step-bounded rich progress bar unless the config disables or chooses a bar."""
+        """The trainer with the config's callbacks, plus the step-bounded rich progress bar unless the config
+        disables or chooses a bar, plus plain progress lines when stdout is not a terminal."""
         trainer_config = self.config_init.get("trainer") or {}
-        callbacks = list(trainer_config.get("callbacks") or [])
+        callbacks = list(trainer_config.get("callbacks") or [])  # (given here, kwargs replace the config's list)
+        added: list[Callback] = []
         if (
             RICH_AVAILABLE
             and trainer_config.get("enable_progress_bar") is not False
             and not any(isinstance(callback, ProgressBar) for callback in callbacks)
         ):
-            kwargs.setdefault("callbacks", [*callbacks, StepBoundedProgressBar()])
+            added.append(StepBoundedProgressBar())
+        if not sys.stdout.isatty():  # CI logs, nohup, SLURM: a bar draws nothing readable there
+            added.append(ProgressLines(every_n_steps=trainer_config.get("log_every_n_steps") or 50))
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
         return super().instantiate_trainer(**kwargs)
 
 
