@@ -227,7 +227,10 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
                 else:
                     cluster = _gsd_cluster(rule, p, x)
                 mass = sum(p[y] for y in cluster)
-                proposal = sum(q_draw[y] for y in cluster) if row.sampled else 1.0
+                # GSD-blocks' port measures q(C) under the parent's q as drafted, its "draw" option (and GSD) under
+                # the distribution x was drawn from
+                by_parent = isinstance(rule, GSDBlocksRule) and rule.proposal_mass == "parent"
+                proposal = sum((row.q_full[u] if by_parent else q_draw)[y] for y in cluster) if row.sampled else 1.0
                 chance = min(1.0, mass / proposal) if proposal > 0 else 0.0
             tests.append((row.depths[u], slot, chance))
             if accept_uniforms[row.depths[u]][slot] < chance:

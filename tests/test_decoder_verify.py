@@ -88,6 +88,7 @@ def all_rules(vocab: int, seed: int = 0) -> list:
         LanternRule(neighbours=neighbours, k=4, delta=0.2, static_zeroes="p"),
         LanternRule(neighbours=neighbours, k=3, lam=3.0),
         GSDBlocksRule(group=3),
+        GSDBlocksRule(group=3, proposal_mass="draw"),
         GSDRule(embeddings=torch.randn(vocab, 2, generator=g), window=4, p_threshold=0.3, distance_threshold=2.0),
         GSDRule(
             embeddings=torch.randn(vocab, 2, generator=g), window=6, p_threshold=0.3, token_ids=ids, id_bound=vocab - 1
@@ -282,7 +283,7 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     rules += [GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=100.0) for w in (3, 20)]
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(5))
     rules += [GSDRule(embeddings=embeddings, window=14, distance_threshold=0.5, token_ids=ids, id_bound=9)]
-    rules += [GSDBlocksRule(group=g) for g in (1, 5)]
+    rules += [GSDBlocksRule(group=g, proposal_mass=m) for g in (1, 5) for m in ("parent", "draw")]
     neighbours = build_latent_neighbours(torch.randn(vocab, 4, generator=torch.Generator().manual_seed(4)), vocab - 1)
     rules += [LanternRule(neighbours=neighbours, k=k, delta=d) for k, d in ((2, 0.05), (6, 0.5))]
     rules += [LanternRule(neighbours=neighbours, k=k, lam=lam) for k, lam in ((2, 1.5), (5, 4.0))]
@@ -448,6 +449,29 @@ def test_gsd_blocks_follow_the_cascade_authors_port_by_hand():
     assert reject(*one_child(1, [0.1, 0.5, 0.1, 0.2, 0.1]), GSDBlocksRule(group=2))[0] == pytest.approx(0.5)
 
 
+def two_sampled_children(probs: list[float], q: list[float], tokens: tuple[int, int]) -> tuple[Tree, TargetView]:
+    """A root with two children drawn from q without replacement, in this order."""
+    vocab = len(probs)
+    q_full = torch.tensor([q, [1.0 / vocab] * vocab, [1.0 / vocab] * vocab])[None]
+    view_probs = torch.tensor([probs, [1.0 / vocab] * vocab, [1.0 / vocab] * vocab])[None]
+    tree = Tree(torch.tensor([[0, *tokens]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]), q_full, True, 1, 2)
+    return tree, TargetView(view_probs, view_probs.argmax(-1), None)
+
+
+def test_gsd_blocks_measure_a_later_siblings_block_under_the_parents_unmodified_q_as_the_port_does():
+    # Dev commit 8dc3300: G = 2, p = [.05, .05, .35, .35, .1, .1], q = [.3, .1, .25, .25, .05, .05], x1 = 0 then
+    # x2 = 2. Blocks of p: {2, 3}, {4, 5}, {0, 1}. x1: p(C) = 0.1, q(C) = 0.4, accept 0.25. Its rejection zeroes
+    # {0, 1} and takes relu(p - q): [0, 0, .1, .1, .05, .05] / 0.3. x2's block {2, 3} holds 2/3 of that. The port
+    # divides by the block's mass under q as drafted, 0.5: accept min(1, 4/3) = 1. Under q_c (x1's token removed,
+    # [0, .1, .25, .25, .05, .05] / 0.7) the block holds 0.5 / 0.7: accept (2/3) / (5/7) = 0.9333.
+    p, q = [0.05, 0.05, 0.35, 0.35, 0.1, 0.1], [0.3, 0.1, 0.25, 0.25, 0.05, 0.05]
+    tree, view = two_sampled_children(p, q, (0, 2))
+    uniforms = Uniforms(torch.ones(1, 1, 2), torch.zeros(1))  # both tests rejected: every chance is recorded
+    port = verify(tree, view, GSDBlocksRule(group=2), uniforms).accept_prob[0, 0].tolist()
+    draw = verify(tree, view, GSDBlocksRule(group=2, proposal_mass="draw"), uniforms).accept_prob[0, 0].tolist()
+    assert port == pytest.approx([0.25, 1.0]) and draw == pytest.approx([0.25, 14 / 15])
+
+
 def test_gsd_window_follows_the_gsd_authors_code_by_hand():
     # junhyukso/GSD jacobi_iteration_lumina_mgpt.py sorts ascending and slices [r - W/2, r + W/2); with window 2
     # that is the places r - 1 and r, in descending ranks x's own and the next less likely one. x = 2 has rank 2
@@ -488,6 +512,8 @@ def test_gsd_window_takes_six_more_and_seven_less_likely_tokens_as_the_authors_c
 def test_rules_reject_bad_settings():
     with pytest.raises(ValueError, match="group"):
         GSDBlocksRule(group=0)
+    with pytest.raises(ValueError, match="proposal_mass"):
+        GSDBlocksRule(proposal_mass="q")
     with pytest.raises(ValueError, match="token_ids"):
         GSDRule(embeddings=torch.zeros(5, 2), token_ids=torch.arange(4))
     with pytest.raises(ValueError, match="delta"):
