@@ -55,7 +55,8 @@ TAU_DEFINITION = (
     "tau = accepted draft tokens + 1 per target verification forward (the +1 is the bonus/correction token "
     "each forward also yields); target_forwards counts the prefill (which yields image token 0) too"
 )
-_NOT_SETTABLE = {"name", "neighbours", "embeddings"}  # fixed by the rule's name / built from the target's codebook
+# fixed by the rule's name / built from the target's codebook and LM ids
+_NOT_SETTABLE = {"name", "neighbours", "embeddings", "token_ids"}
 
 
 def image_grid(images: np.ndarray, columns: int | None = None, scale: int = 4) -> Image.Image:
@@ -148,10 +149,11 @@ def build_rule(
 
     CASCADE's tau_pos / tau_seq come from `drafter_dir/cascade_calibration.json` when that file exists
     (`inference.calibrate`; one written for another target is an error), unless `options` set them.
-    LANTERN rules get the target's VQ-codebook neighbour table. Unless `options` set them: LANTERN's k is
-    `default_lantern_k(V)`; LANTERN++ takes the CASCADE authors' baseline k = `LANTERN_PP_K` (10) and
-    lam = `LANTERN_PP_LAM` (3.0); and `static_zeroes` follows the target's family as LANTERN's own file for
-    it does (`lantern_static_zeroes`: "p" on Lumina-mGPT, "q" on LlamaGen).
+    LANTERN rules get the target's VQ-codebook neighbour table, GSD the codebook and the target's LM ids
+    (`token_ids`, where it has them). Unless `options` set them: LANTERN's k is `default_lantern_k(V)`;
+    LANTERN++ takes the CASCADE authors' baseline k = `LANTERN_PP_K` (10) and lam = `LANTERN_PP_LAM` (3.0);
+    and `static_zeroes` follows the target's family as LANTERN's own file for it does
+    (`lantern_static_zeroes`: "p" on Lumina-mGPT, "q" on LlamaGen).
     `codebook` (V, e), when given, stands in for the target's codebook (LANTERN, GSD), e.g. a random one
     for the random-weight targets of a latency run, which expose none.
     """
@@ -163,8 +165,9 @@ def build_rule(
         values[key] = _convert(key, value, known[key]) if isinstance(value, str) else value
     if name == "cascade":
         values = {**load_calibration(drafter_dir, target.name), **values}
-    if name == "gsd":
-        return GSDRule(embeddings=_codebook(name, target, codebook), **values)  # type: ignore[arg-type]
+    if name == "gsd":  # LM ids where the target has them (Lumina-mGPT's Chameleon ids): GSD's id bound reads them
+        embeddings, token_ids = _codebook(name, target, codebook), getattr(target, "token_ids", None)
+        return GSDRule(embeddings=embeddings, token_ids=token_ids, **values)  # type: ignore[arg-type]
     if name not in ("lantern", "lantern++"):
         return RULE_CLASSES[name](**values)
     if name == "lantern" and values.get("lam") is not None:

@@ -2,9 +2,10 @@
 deterministic drafts.
 
 The cluster of x is the block of G consecutive ranks of the current target distribution that holds x; x is accepted
-w.p. min(1, p(C) / q(C)), and a rejection zeroes the block, then relu(p - q). Tested slot by slot, that is one sort
-of the vocabulary per slot (`GSDBlocksRule.test_slot`). On deterministic drafts (q one-hot at x, so a rejection only
-zeroes the block) every slot is answered at once from one sort of p (`walk_blocks`):
+w.p. min(1, p(C) / q(C)) (q(C) under the parent's q as drafted, as the port measures it), and a rejection zeroes the
+block, then relu(p - q). Tested slot by slot, that is one sort of the vocabulary per slot (`GSDBlocksRule.test_slot`).
+On deterministic drafts (q one-hot at x, so a rejection only zeroes the block) every slot is answered at once from one
+sort of p (`walk_blocks`):
 
 - Zeroing a block and renormalising keeps the order of the positive tokens left; the zeroed ones join the zeros,
   which a stable descending sort orders by token id. A rejection of a positive x zeroes a whole rank chunk
@@ -46,20 +47,32 @@ from inference.tree import node_range, strictly_lower
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDBlocksRule:
-    """The CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4): rank-block clusters.
+    """The CASCADE authors' tree port of GSD (dev commit 8dc3300, `models/ea2_model_llamagen.py`,
+    `evaluate_posterior_v1`; cascade.md §5.4 and Round 3, item 11): rank-block clusters.
 
-    The cluster of x is the block of G consecutive ranks of the current target distribution holding x;
-    accept w.p. min(1, p(C) / q(C)) with q(C) the proposal mass of the block (1 for deterministic
-    drafts, whose proposal is one-hot at x); on rejection the block is zeroed, then relu(p - q).
-    `test_slot` answers one slot (one sort of p_c); `own_chain` every slot of a step.
+    The cluster of x is the block of G consecutive ranks of the current target distribution p_c holding x;
+    accept w.p. min(1, p_c(C) / q(C)); on rejection the block is zeroed, then relu(p_c - q_c), q_c the
+    distribution x was drawn from (the parent's q without the earlier siblings' tokens). q(C) is the
+    block's mass under the parent's q as drafted, for every sibling, as the port computes it
+    (`proposal_mass="parent"`), or under q_c (`"draw"`: the mass of the distribution x was actually drawn
+    from, which recursive rejection sampling would use; the earlier siblings' tokens then count 0). On
+    deterministic drafts the proposal is one-hot at x and q(C) = 1 either way. `test_slot` answers one
+    slot (one sort of p_c); `own_chain` every slot of a step.
     """
 
     group: int = 25
+    proposal_mass: str = "parent"
+    """Where q(C) is measured on sampled drafts: "parent" (the port: the parent's q as drafted) or "draw" (q_c)."""
     name: str = "gsd-blocks"
 
     def __post_init__(self) -> None:
         if self.group < 1:
             raise ValueError(f"gsd-blocks group (cluster size G) must be >= 1, got {self.group}")
+        if self.proposal_mass not in ("parent", "draw"):
+            raise ValueError(
+                f"gsd-blocks proposal_mass must be 'parent' (the port's q(C)) or 'draw' (q_c's), "
+                f"got {self.proposal_mass!r}"
+            )
 
     def prepare(self, inputs: TreeInputs) -> Any:
         return None
@@ -75,8 +88,17 @@ class GSDBlocksRule:
         residual = exact_residual(slot.p.masked_fill(cluster, 0.0), slot.x_column, slot.q_draw)
         if slot.q_draw is None:  # q(C) = 1; `verify` clamps a0 to 1
             return SlotTest(mass, None, residual)
-        proposal = (slot.q_draw * cluster).sum(-1)
+        proposal = (self._proposal(inputs, slot.q_draw) * cluster).sum(-1)
         return SlotTest(mass / proposal.clamp_min(1e-30), None, residual)
+
+    def _proposal(self, inputs: TreeInputs, q_draw: Tensor) -> Tensor:
+        """The distribution q(C) is measured under: the parent's q (B, I, V) or q_draw (B, I, V) itself; for q_draw
+        with a K axis, (B, I, 1, V) or q_draw (B, I, K, V)."""
+        if self.proposal_mass == "draw":
+            return q_draw
+        if inputs.q_parent is None:
+            raise ValueError("gsd-blocks on sampled drafts needs the parent's q (TreeInputs.q_parent, prepare_tree)")
+        return inputs.q_parent if q_draw.dim() == inputs.q_parent.dim() else inputs.q_parent[:, :, None]
 
     def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
         return (slot.p * self._cluster(slot)).sum(-1)
@@ -95,7 +117,7 @@ class GSDBlocksRule:
     def sampled_chain(self, inputs: TreeInputs, draws: Tensor) -> tuple[Tensor, Tensor]:
         """Every slot of sampled drafts: the chain of residual targets first (each rejection zeroes x's rank block of
         p_c, then relu(p_c - q_c), renormalised: zeroing the block can leave nothing, and then the next slot sees the
-        uniform fallback, as in the slot loop), then p(C) / q(C) of every slot at once. Untested slots come after the
+        uniform fallback, as in the slot loop), then p_c(C) / q(C) of every slot at once. Untested slots come after the
         tested ones: the residual is read off the chain after the last tested slot, not kept by a product a slot.
         draws (B, I, K, V) each slot's q_c, 0 on untested slots (q(C) replaces q_c(x)) -> a0 (B, I, K), residual
         (B, I, V)."""
@@ -114,7 +136,7 @@ class GSDBlocksRule:
         chain = torch.stack(targets, 2)  # (B, I, K + 1, V): p_0 .. p_K
         cluster_all = torch.stack(clusters, 2)  # (B, I, K, V)
         mass = (chain[:, :, :-1] * cluster_all).sum(-1)  # (B, I, K)
-        proposal = (draws * cluster_all).sum(-1)
+        proposal = (self._proposal(inputs, draws) * cluster_all).sum(-1)
         last = inputs.usable.sum(-1)[..., None, None].expand(-1, -1, 1, p.shape[-1])  # (B, I, 1, V) tested slots
         return mass / proposal.clamp_min(1e-30), chain.gather(2, last)[:, :, 0]
 

@@ -1,7 +1,7 @@
-"""The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9): LANTERN and
-LANTERN++, GSD, and the CASCADE development code's rule (GSD-blocks has a module of its own: `inference.gsd_blocks`).
-They change the residual or relax without a budget, so they carry no TV guarantee; `inference.rules` holds the
-registry of every rule and their shared interface (`test_slot`, `acceptance_at_once`).
+"""The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9, and Round 3, item 11):
+LANTERN and LANTERN++, GSD, and the CASCADE development code's rule (GSD-blocks has a module of its own:
+`inference.gsd_blocks`). They change the residual or relax without a budget, so they carry no TV guarantee;
+`inference.rules` holds the registry of every rule and their shared interface (`test_slot`, `acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
 width.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -201,8 +200,9 @@ def _with_self(neighbours: Tensor, width: int, device: torch.device) -> Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _window_offsets(window: int, device: torch.device) -> Tensor:
-    """(W,) rank offsets of GSD's window around x: -W/2 .. W - W/2 - 1; a shared constant, never written to."""
-    return torch.arange(-(window // 2), window - window // 2, device=device)
+    """(W,) descending-rank offsets of GSD's window around x: W - 1 - W//2 more likely tokens, x, W//2 less likely
+    ones (-6 .. 7 for W = 14); a shared constant, never written to."""
+    return torch.arange(window // 2 + 1 - window, window // 2 + 1, device=device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -211,48 +211,92 @@ def _window_centre(window: int, device: torch.device) -> Tensor:
     return _window_offsets(window, device) == 0
 
 
+@dataclass
+class GSDState:
+    """GSD's per-step tables, on the step's device."""
+
+    embeddings: Tensor  # (V, E) float32 the table distances are measured on
+    token_ids: Tensor | None  # (V,) int64 each vocabulary index's LM id, or None (the distance filter always runs)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDRule:
     """Grouped speculative decoding as its authors' code does it (junhyukso/GSD,
-    `scheduler/jacobi_iteration_lumina_mgpt.py`; cascade.md Round 2, item 9).
+    `scheduler/jacobi_iteration_lumina_mgpt.py`, `SpeculativeSampler.__call__`; cascade.md Round 3, item 11).
 
-    The cluster of x: the tokens whose rank in the current target distribution lies in the window
-    [r - window/2, r + window/2) around x's rank r, kept where |p(y) - p(x)| < p_threshold and the
-    squared L2 distance of their embeddings to x's is < distance_threshold (x itself always). Accept
-    w.p. min(1, p(C) / q(C)) (q(C) = 1 for deterministic drafts); the residual is relu(p - q), the
-    cluster is not removed.
+    The authors sort the target's logits ascending and take the slice [r - 7, r + 7) around x's place r: in
+    descending ranks d, the window [d - 6, d + 7] (W = 14: W - 1 - W//2 more likely tokens, x, W//2 less likely
+    ones), cut at the most likely token. Where the slice would start below place 0 (x is among the W//2 least
+    likely tokens: d + W//2 >= V) it is empty in their code, and the test falls back to plain min(1, p(x) / q(x)).
+    Otherwise the cluster C keeps the window's tokens y with |p(y) - p(x)| < p_threshold and squared L2 distance
+    to x below distance_threshold (x itself always); the distance filter is skipped when any window token's LM id
+    is above id_bound. Accept w.p. min(1, p(C) / q(C)) (q(C) = 1 for deterministic drafts); the residual is
+    relu(p - q), the cluster is not removed. Ties in p are ordered by token id (the authors' sort is unstable).
+
+    The authors measure distances on the LM's input embedding table (its first 10,000 rows, by LM id), which is
+    why ids above 10,000 skip the filter (in their code an id of exactly 10,000 reads past that table). Ours
+    measures them on `embeddings`, the table the caller gives (`build_rule`: the target's VQ codebook; the LM's
+    own input embeddings where a target builds them), and applies the id bound only where the target exposes LM
+    ids (`token_ids`: Lumina-mGPT's Chameleon ids, whose image tokens all lie below 10,000); without them the
+    distance filter always runs. On a tree, p and q are the residual target and the draw distribution of the
+    slot (for the authors, one draft per position: the target and the Jacobi iterate).
     """
 
     embeddings: Tensor
-    """(V, E) token embeddings the distance is measured on (the authors used the target's input embeddings)."""
+    """(V, E) token embeddings the distance is measured on (the authors used the LM's input embeddings)."""
+    token_ids: Tensor | None = None
+    """(V,) int64 LM id of each vocabulary index, where the target exposes them; None: no id bound."""
     window: int = 14
     p_threshold: float = 0.15
     distance_threshold: float = 0.5
+    id_bound: int = 10_000
+    """The distance filter is skipped when any window token's LM id exceeds this (the authors' 10,000)."""
     name: str = "gsd"
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"gsd window must be >= 1, got {self.window}")
+        if self.token_ids is not None and self.token_ids.shape != self.embeddings.shape[:1]:
+            raise ValueError(
+                f"gsd token_ids must hold one LM id per vocabulary index, {tuple(self.embeddings.shape[:1])}, "
+                f"got shape {tuple(self.token_ids.shape)}"
+            )
 
-    def prepare(self, inputs: TreeInputs) -> Any:
-        return self.embeddings.to(inputs.probs.device).float()
+    def prepare(self, inputs: TreeInputs) -> GSDState:
+        device = inputs.probs.device
+        token_ids = None if self.token_ids is None else self.token_ids.to(device)
+        return GSDState(self.embeddings.to(device).float(), token_ids)
 
-    def _cluster_mass(self, embeddings: Tensor, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
+    def _keep(self, state: GSDState, members: Tensor, inside: Tensor, close: Tensor, distance: Tensor) -> Tensor:
+        """(..., W) bool: the window members in x's cluster. members (..., W) token ids, inside (..., W) in the
+        window (`_inside`), close (..., W) the p filter, distance (..., W) to x."""
+        near = distance < self.distance_threshold
+        if state.token_ids is not None:  # the authors skip the distance filter past their embedding table
+            beyond = ((state.token_ids[members] > self.id_bound) & inside).any(-1, keepdim=True)
+            near = near | beyond
+        return (inside & close & near) | _window_centre(self.window, members.device)  # x itself, always
+
+    @staticmethod
+    def _inside(at: Tensor, vocab: int) -> Tensor:
+        """(..., W) bool: the window's ranks `at` (..., W) that hold a cluster candidate. The window is cut at the
+        most likely token; where its least likely end (the last rank) runs past the vocabulary the authors' slice is
+        empty and nothing but x is kept (a plain test)."""
+        return (at >= 0) & (at[..., -1:] < vocab)
+
+    def _cluster_mass(self, state: GSDState, slot: SlotInputs) -> tuple[Tensor, Tensor | None]:
         """p's and q's mass of x's cluster, (B, I) each (q's None for deterministic drafts); for `slot` with a K axis
         every tensor below gains it, after I."""
         order = slot.p.argsort(dim=-1, descending=True, stable=True)  # (B, I, V)
-        vocab, centre = slot.p.shape[-1], self.window // 2
+        vocab, centre = slot.p.shape[-1], self.window - 1 - self.window // 2
         rank_x = (order == slot.x_column).max(-1, keepdim=True).indices  # (B, I, 1) x's place in the order
         at = rank_x + _window_offsets(self.window, slot.p.device)  # (B, I, W): x's rank at `centre`
-        clipped = at.clamp(0, vocab - 1)
-        inside = clipped == at
-        members = order.gather(-1, clipped)  # (B, I, W), x at `centre`
+        inside = self._inside(at, vocab)
+        members = order.gather(-1, at.clamp(0, vocab - 1))  # (B, I, W), x at `centre`
         p_members = slot.p.gather(-1, members)
-        member_embeddings = embeddings[members]  # (B, I, W, E)
+        member_embeddings = state.embeddings[members]  # (B, I, W, E)
         distance = (member_embeddings - member_embeddings[..., centre : centre + 1, :]).pow(2).sum(-1)  # (B, I, W)
-        keep = inside & ((p_members - slot.p_x[..., None]).abs() < self.p_threshold)
-        keep &= distance < self.distance_threshold
-        keep |= _window_centre(self.window, slot.p.device)  # x itself, always
+        close = (p_members - slot.p_x[..., None]).abs() < self.p_threshold
+        keep = self._keep(state, members, inside, close, distance)
         mass = (p_members * keep).sum(-1)
         if slot.q_draw is None:  # q(C) = 1
             return mass, None
@@ -270,21 +314,48 @@ class GSDRule:
         distance = (embeddings[window] - embeddings[x][..., None, :]).pow(2).sum(-1)  # (B, J, W)
         return unpack_slots(distance, packed, inputs.usable)
 
-    def test_slot(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> SlotTest:
+    @staticmethod
+    def _members_among_zeros(
+        p: Tensor, order: Tensor, tokens: Tensor, gone: Tensor, at: Tensor, members: Tensor
+    ) -> Tensor:
+        """`acceptance_at_once`'s window members (B, I, K, W) with the ranks past p_c's positive tokens filled in.
+        There p_c's zeros sort by id: p's own zeros (`order` from place P on, by id) merged with the removed positive
+        siblings. A removed token t sits at merged place (p's zeros below t) + (removed tokens below t); the j-th
+        zero is such a t, or else p's (j - the removed tokens placed before j)-th zero. p (B, I, V), order (B, I, V)
+        its stable descending order, tokens (B, I, K), gone (B, I, K, K) [c, c']: c' removed before c, at
+        (B, I, K, W) ranks under p_c."""
+        vocab = p.shape[-1]
+        zero = p == 0  # (B, I, V)
+        positive = vocab - zero.sum(-1)[..., None, None]  # (B, I, 1, 1) P
+        p_kids_zero = zero.gather(2, tokens)  # (B, I, K) the sibling's token is a zero of p already
+        removed = gone & ~p_kids_zero[:, :, None, :]  # (B, I, K, K) [c, c']: c' removed a positive token
+        j = at - (positive - removed.sum(-1, keepdim=True))  # (B, I, K, W) place among p_c's zeros, where >= 0
+        smaller = tokens[:, :, None, :, None] > tokens[:, :, None, None, :]  # (B, I, 1, K, K) [c', c'']: c'' < c'
+        below = (removed[:, :, :, None, :] & smaller).sum(-1)  # (B, I, K, K) [c, c']: removed tokens below c''s
+        place = zero.cumsum(-1).gather(2, tokens)[:, :, None, :] + below  # (B, I, K, K) merged place of c''s token
+        place = torch.where(removed, place, vocab + at.shape[-1])  # the others lie past every place j
+        at_removed = place[:, :, :, None, :] == j[..., None]  # (B, I, K, W, K)
+        removed_token = (at_removed * tokens[:, :, None, None, :]).sum(-1)  # (B, I, K, W)
+        own = positive + j - (place[:, :, :, None, :] < j[..., None]).sum(-1)  # (B, I, K, W) place in p's order
+        own_zero = order.gather(2, own.clamp(0, vocab - 1).flatten(2)).view_as(own)
+        among_zeros = torch.where(at_removed.any(-1), removed_token, own_zero)
+        return torch.where(j >= 0, among_zeros, members)
+
+    def test_slot(self, inputs: TreeInputs, state: GSDState, slot: SlotInputs) -> SlotTest:
         mass, proposal = self._cluster_mass(state, slot)
         a0 = mass if proposal is None else mass / proposal.clamp_min(1e-30)  # `verify` clamps it to 1
         return SlotTest(a0, None, exact_residual(slot.p, slot.x_column, slot.q_draw))
 
-    def greedy_mass(self, inputs: TreeInputs, state: Any, slot: SlotInputs) -> Tensor:
+    def greedy_mass(self, inputs: TreeInputs, state: GSDState, slot: SlotInputs) -> Tensor:
         return self._cluster_mass(state, slot)[0]
 
-    def acceptance_sampled(self, inputs: TreeInputs, state: Any, slots: SlotInputs) -> tuple[Tensor, None]:
+    def acceptance_sampled(self, inputs: TreeInputs, state: GSDState, slots: SlotInputs) -> tuple[Tensor, None]:
         """`test_slot`'s a0 for every slot of sampled drafts at once (`slots` with a K axis; the residual is the exact
         one): one sort of the (B, I, K, V) residual targets instead of one per slot. -> (B, I, K), None."""
         mass, proposal = self._cluster_mass(state, slots)
         return (mass / proposal.clamp_min(1e-30) if proposal is not None else mass).clamp_max(1.0), None
 
-    def acceptance_at_once(self, inputs: TreeInputs, state: Any, slots: RemovalSlots) -> tuple[Tensor, None]:
+    def acceptance_at_once(self, inputs: TreeInputs, state: GSDState, slots: RemovalSlots) -> tuple[Tensor, None]:
         """`test_slot`'s a0 for every slot of deterministic drafts (q(C) = 1; the residual only removes x), from one
         sort of p instead of one per slot. p_c is p without the earlier tested siblings' tokens, over mass_left[c]:
         its positive tokens keep p's order, the removed ones join the zeros, which sort by token id. So x's rank
@@ -304,17 +375,18 @@ class GSDRule:
         after = gone & (p_kids[:, :, None, :] > 0) & (tokens[:, :, None, :] > tokens[..., None])  # positive, larger id
         rank_x = kid_ranks - torch.where(p_kids > 0, above.sum(-1), after.sum(-1))  # (B, I, K) rank under p_c
         at = rank_x[..., None] + _window_offsets(self.window, p.device)  # (B, I, K, W) ranks under p_c
-        inside = (at >= 0) & (at < vocab)
+        inside = self._inside(at, vocab)
         skipped = torch.where(gone, other_ranks, vocab + width).sort(-1).values  # (B, I, K, K) s, ascending
         skipped = skipped - torch.arange(width, device=p.device)  # s_i - i
         at_p = at + (skipped[:, :, :, None, :] <= at[..., None]).sum(-1)  # (B, I, K, W) p-ranks
         members = order.gather(2, at_p.clamp(0, vocab - 1).flatten(2)).view_as(at_p)  # (B, I, K, W)
         p_members = p.gather(2, members.flatten(2)).view_as(members) * (at_p < vocab)  # unnormalised, 0 past V
-        distance = self._distance(state, inputs, members)  # (B, I, K, W)
+        if state.token_ids is not None:  # the id bound reads which token holds each rank, also among p_c's zeros
+            members = self._members_among_zeros(p, order, tokens, gone, at, members)
+        distance = self._distance(state.embeddings, inputs, members)  # (B, I, K, W)
         left = slots.mass_left[..., None]  # (B, I, K, 1) p_c's normaliser
-        keep = inside & ((p_members - p_kids[..., None]).abs() < self.p_threshold * left)
-        keep &= distance < self.distance_threshold
-        keep |= _window_centre(self.window, p.device)  # x itself, always (at the centre: its own rank)
+        close = (p_members - p_kids[..., None]).abs() < self.p_threshold * left
+        keep = self._keep(state, members, inside, close, distance)
         mass = ((p_members * keep).sum(-1) / slots.mass_left).nan_to_num_(0.0)  # 0 / 0 only past all the mass
         return mass.clamp_max(1.0), None
 

@@ -148,16 +148,22 @@ def _gsd_blocks_cluster(rule: GSDBlocksRule, p: list[float], x: int) -> list[int
 
 
 def _gsd_cluster(rule: GSDRule, p: list[float], x: int) -> list[int]:
+    """x's cluster: the window of ranks d - (W - 1 - W//2) .. d + W//2 around x's rank d, cut at rank 0; x alone
+    where the window runs past the least likely token (the GSD authors' empty slice, a plain test)."""
     order = _ranked(p)
-    r = order.index(x)
+    d = order.index(x)
+    if d + rule.window // 2 >= len(order):
+        return [x]
+    window = order[max(0, d - (rule.window - 1 - rule.window // 2)) : d + rule.window // 2 + 1]
+    ids = None if rule.token_ids is None else rule.token_ids.tolist()
+    skip_distance = ids is not None and any(ids[y] > rule.id_bound for y in window)
     emb = rule.embeddings.double().tolist()
     cluster = []
-    for i in range(r - rule.window // 2, r + rule.window - rule.window // 2):
-        if 0 <= i < len(order):
-            y = order[i]
-            distance = sum((a - b) ** 2 for a, b in zip(emb[y], emb[x], strict=True))
-            if y == x or (abs(p[y] - p[x]) < rule.p_threshold and distance < rule.distance_threshold):
-                cluster.append(y)
+    for y in window:
+        distance = sum((a - b) ** 2 for a, b in zip(emb[y], emb[x], strict=True))
+        near = skip_distance or distance < rule.distance_threshold
+        if y == x or (abs(p[y] - p[x]) < rule.p_threshold and near):
+            cluster.append(y)
     return cluster
 
 
@@ -221,7 +227,10 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
                 else:
                     cluster = _gsd_cluster(rule, p, x)
                 mass = sum(p[y] for y in cluster)
-                proposal = sum(q_draw[y] for y in cluster) if row.sampled else 1.0
+                # GSD-blocks' port measures q(C) under the parent's q as drafted, its "draw" option (and GSD) under
+                # the distribution x was drawn from
+                by_parent = isinstance(rule, GSDBlocksRule) and rule.proposal_mass == "parent"
+                proposal = sum((row.q_full[u] if by_parent else q_draw)[y] for y in cluster) if row.sampled else 1.0
                 chance = min(1.0, mass / proposal) if proposal > 0 else 0.0
             tests.append((row.depths[u], slot, chance))
             if accept_uniforms[row.depths[u]][slot] < chance:

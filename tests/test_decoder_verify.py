@@ -90,6 +90,7 @@ def all_rules(vocab: int, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     neighbours = build_latent_neighbours(torch.randn(vocab, 4, generator=g), vocab - 1)
     loose = dict(tau_pos=0.6, tau_seq=0.4)
+    ids = torch.randperm(vocab, generator=g) * 2  # LM ids, half of them above the bound
     return [
         ExactRule(),
         LanternRule(neighbours=neighbours, k=4, delta=0.2),
@@ -97,7 +98,11 @@ def all_rules(vocab: int, seed: int = 0) -> list:
         LanternRule(neighbours=neighbours, k=4, delta=0.2, static_zeroes="p"),
         LanternRule(neighbours=neighbours, k=3, lam=3.0),
         GSDBlocksRule(group=3),
+        GSDBlocksRule(group=3, proposal_mass="draw"),
         GSDRule(embeddings=torch.randn(vocab, 2, generator=g), window=4, p_threshold=0.3, distance_threshold=2.0),
+        GSDRule(
+            embeddings=torch.randn(vocab, 2, generator=g), window=6, p_threshold=0.3, token_ids=ids, id_bound=vocab - 1
+        ),
         CascadeRule(),
         CascadeRule(delta=0.5, **loose),
         CascadeRule(delta=0.3, use_convergence=False, **loose),
@@ -209,6 +214,13 @@ def test_closed_forms_for_deterministic_drafts_answer_what_the_slot_loop_answers
         GSDRule(embeddings=embeddings, window=w, p_threshold=t, distance_threshold=d)
         for w, t, d in ((6, 1.0, 100.0), (3, 0.05, 1.0), (20, 1.0, 100.0), (5, 0.1, 2.0))
     ]
+    # LM ids above the bound skip the distance filter: the closed form must know which token holds each rank of the
+    # window, also among p_c's zeros, where the earlier rejected siblings join p's own zeros by id
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(5))
+    rules += [
+        GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=0.5, token_ids=ids, id_bound=b)
+        for w, b in ((8, 9), (20, 9), (14, 10))
+    ]
     rules += [GSDBlocksRule(group=g) for g in (1, 2)]  # (K - 1) G < V on both trees: `block_slots` applies
     for paths, seed, top in itertools.product((SMALL_TREE, WIDE_TREE), range(6), (None, 6)):
         tree, view = build_case(paths, batch=8, vocab=vocab, sampled=False, seed=seed)
@@ -279,7 +291,9 @@ def test_closed_forms_for_sampled_drafts_answer_what_the_slot_loop_answers():
     rules = [r for r in all_rules(vocab) if hasattr(r, "acceptance_sampled") or hasattr(r, "own_chain")]
     rules += [CascadeDevRule(nucleus=m, sim_threshold=0.1, pair_threshold=0.2) for m in (0.3, 0.7)]
     rules += [GSDRule(embeddings=embeddings, window=w, p_threshold=1.0, distance_threshold=100.0) for w in (3, 20)]
-    rules += [GSDBlocksRule(group=g) for g in (1, 5)]
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(5))
+    rules += [GSDRule(embeddings=embeddings, window=14, distance_threshold=0.5, token_ids=ids, id_bound=9)]
+    rules += [GSDBlocksRule(group=g, proposal_mass=m) for g in (1, 5) for m in ("parent", "draw")]
     neighbours = build_latent_neighbours(torch.randn(vocab, 4, generator=torch.Generator().manual_seed(4)), vocab - 1)
     rules += [LanternRule(neighbours=neighbours, k=k, delta=d) for k, d in ((2, 0.05), (6, 0.5))]
     rules += [LanternRule(neighbours=neighbours, k=k, lam=lam) for k, lam in ((2, 1.5), (5, 4.0))]
@@ -484,22 +498,73 @@ def test_gsd_blocks_follow_the_cascade_authors_port_by_hand():
     assert reject(*one_child(1, [0.1, 0.5, 0.1, 0.2, 0.1]), GSDBlocksRule(group=2))[0] == pytest.approx(0.5)
 
 
+def two_sampled_children(probs: list[float], q: list[float], tokens: tuple[int, int]) -> tuple[Tree, TargetView]:
+    """A root with two children drawn from q without replacement, in this order."""
+    vocab = len(probs)
+    q_full = torch.tensor([q, [1.0 / vocab] * vocab, [1.0 / vocab] * vocab])[None]
+    view_probs = torch.tensor([probs, [1.0 / vocab] * vocab, [1.0 / vocab] * vocab])[None]
+    tree = Tree(torch.tensor([[0, *tokens]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]), q_full, True, 1, 2)
+    return tree, TargetView(view_probs, view_probs.argmax(-1), None)
+
+
+def test_gsd_blocks_measure_a_later_siblings_block_under_the_parents_unmodified_q_as_the_port_does():
+    # Dev commit 8dc3300: G = 2, p = [.05, .05, .35, .35, .1, .1], q = [.3, .1, .25, .25, .05, .05], x1 = 0 then
+    # x2 = 2. Blocks of p: {2, 3}, {4, 5}, {0, 1}. x1: p(C) = 0.1, q(C) = 0.4, accept 0.25. Its rejection zeroes
+    # {0, 1} and takes relu(p - q): [0, 0, .1, .1, .05, .05] / 0.3. x2's block {2, 3} holds 2/3 of that. The port
+    # divides by the block's mass under q as drafted, 0.5: accept min(1, 4/3) = 1. Under q_c (x1's token removed,
+    # [0, .1, .25, .25, .05, .05] / 0.7) the block holds 0.5 / 0.7: accept (2/3) / (5/7) = 0.9333.
+    p, q = [0.05, 0.05, 0.35, 0.35, 0.1, 0.1], [0.3, 0.1, 0.25, 0.25, 0.05, 0.05]
+    tree, view = two_sampled_children(p, q, (0, 2))
+    uniforms = Uniforms(torch.ones(1, 1, 2), torch.zeros(1))  # both tests rejected: every chance is recorded
+    port = verify(tree, view, GSDBlocksRule(group=2), uniforms).accept_prob[0, 0].tolist()
+    draw = verify(tree, view, GSDBlocksRule(group=2, proposal_mass="draw"), uniforms).accept_prob[0, 0].tolist()
+    assert port == pytest.approx([0.25, 1.0]) and draw == pytest.approx([0.25, 14 / 15])
+
+
 def test_gsd_window_follows_the_gsd_authors_code_by_hand():
-    # junhyukso/GSD jacobi_iteration_lumina_mgpt.py with window 2 (ranks [r - 1, r + 1)): x = 2 has rank 2, the
-    # window holds ranks 1 and 2 = tokens 3 (0.25) and 2 (0.2); |0.25 - 0.2| < 0.15 and equal embeddings
-    # (distance 0 < 0.5) keep token 3: p(C) = 0.45, q(C) = 1 (deterministic) -> accept 0.45. The residual
-    # removes only x: [0.4, 0.1, 0, 0.25, 0.05] / 0.8.
+    # junhyukso/GSD jacobi_iteration_lumina_mgpt.py sorts ascending and slices [r - W/2, r + W/2); with window 2
+    # that is the places r - 1 and r, in descending ranks x's own and the next less likely one. x = 2 has rank 2
+    # (0 0.4, 3 0.25, 2 0.2, 1 0.1, 4 0.05): the window holds tokens 2 (0.2) and 1 (0.1); |0.1 - 0.2| < 0.15 and
+    # equal embeddings (distance 0 < 0.5) keep token 1: p(C) = 0.3, q(C) = 1 (deterministic) -> accept 0.3. The
+    # residual removes only x: [0.4, 0.1, 0, 0.25, 0.05] / 0.8.
     rule = GSDRule(embeddings=torch.zeros(5, 3), window=2)
     chance, final = reject(*one_child(2), rule)
-    assert chance == pytest.approx(0.45) and final == pytest.approx([0.5, 0.125, 0, 0.3125, 0.0625])
+    assert chance == pytest.approx(0.3) and final == pytest.approx([0.5, 0.125, 0, 0.3125, 0.0625])
     # Embeddings far apart (squared distance 1 >= 0.5): the cluster is x alone, accept p(2) = 0.2.
     far = GSDRule(embeddings=torch.eye(5), window=2)
     assert reject(*one_child(2), far)[0] == pytest.approx(0.2)
+    # x = 4, the least likely token: the authors' slice would start at place -1 and is empty, a plain test p(4)
+    assert reject(*one_child(4), rule)[0] == pytest.approx(0.05)
+    # LM ids above the bound skip the distance filter: token 1 (id 7 > 5) joins x = 2 despite the distance
+    ids = torch.tensor([0, 7, 2, 3, 4])
+    assert reject(*one_child(2), GSDRule(embeddings=torch.eye(5), window=2, token_ids=ids, id_bound=5))[0] == (
+        pytest.approx(0.3)
+    )
+
+
+def test_gsd_window_takes_six_more_and_seven_less_likely_tokens_as_the_authors_code_does():
+    # V = 30, p(i) proportional to 1 / (i + 10) (token i at rank i), deterministic x = 7, equal embeddings, every
+    # |p(y) - p(x)| < 0.15: the authors' window is ranks 1 .. 14, p(C) = (H(24) - H(10)) / (H(39) - H(9)) = 0.5946
+    # (the earlier mirrored window, ranks 0 .. 13, gave 0.6355).
+    vocab = 30
+    weights = 1.0 / (torch.arange(vocab, dtype=torch.float64) + 10)
+    probs = (weights / weights.sum()).float()
+    tree = Tree(torch.tensor([[0, 7]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), torch.zeros(1, 2, vocab),
+                False, 1, 1)  # fmt: skip
+    view = TargetView(torch.stack([probs, probs])[None], torch.zeros(1, 2, dtype=torch.long), None)
+    rule, uniforms = GSDRule(embeddings=torch.zeros(vocab, 2)), Uniforms(torch.ones(1, 1, 1), torch.zeros(1))
+    verdict = verify(tree, view, rule, uniforms)
+    assert float(verdict.accept_prob[0, 0, 0]) == pytest.approx(float(weights[1:15].sum() / weights.sum()), abs=1e-6)
+    assert float(verdict.accept_prob[0, 0, 0]) == pytest.approx(0.5946, abs=5e-5)
 
 
 def test_rules_reject_bad_settings():
     with pytest.raises(ValueError, match="group"):
         GSDBlocksRule(group=0)
+    with pytest.raises(ValueError, match="proposal_mass"):
+        GSDBlocksRule(proposal_mass="q")
+    with pytest.raises(ValueError, match="token_ids"):
+        GSDRule(embeddings=torch.zeros(5, 2), token_ids=torch.arange(4))
     with pytest.raises(ValueError, match="delta"):
         CascadeRule(delta=1.5)
     with pytest.raises(ValueError, match="static_zeroes"):
