@@ -253,6 +253,15 @@ class JanusTarget(TransformersDecoderTarget):
     def embed_image_tokens(self, tokens: Tensor) -> Tensor:
         return self.model.prepare_embeddings_for_image_generation(tokens)
 
+    def latent_table(self) -> Tensor:
+        """(V, 8) the generation VQ-16's codebook (`model.vqmodel.quantize.embedding.weight`, the original's
+        `gen_vision_model`; raw, as LANTERN reads LlamaGen's). Not `generation_embeddings`: that is the LM's
+        own learned input table (see `lm_embedding_table`)."""
+        return self.model.model.vqmodel.quantize.embedding.weight.detach()
+
+    # lm_embedding_table: the default, `generation_aligner(generation_embeddings(v))` for every v, (V, D): Janus
+    # has no LM embedding row for an image token, its input is this aligned vector (a new tensor each call)
+
     def image_head(self, hidden: Tensor) -> Tensor:
         return self.model.model.generation_head(hidden)
 

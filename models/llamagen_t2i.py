@@ -319,6 +319,14 @@ class LlamaGenT2ITarget(DecoderTarget):
     def embed_image_tokens(self, tokens: Tensor) -> Tensor:
         return self.gpt.tok_embeddings(tokens)
 
+    def latent_table(self) -> Tensor:
+        """(V, 8) the VQ-16 codebook (`vq.quantize.embedding.weight`, raw: LANTERN reads it unnormalised)."""
+        return self.vq.codebook
+
+    def lm_embedding_table(self) -> Tensor:
+        """(V, D) the GPT's input embedding table (`tok_embeddings.weight`): LM ids are the image codes."""
+        return self.gpt.tok_embeddings.weight.detach()
+
     def image_head(self, hidden: Tensor) -> Tensor:
         return self.gpt.output(hidden).float()  # upstream: logits = self.output(h).float()
 

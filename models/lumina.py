@@ -19,6 +19,15 @@ The image vocabulary V seen through the interface (`image_vocab_size` = K + 2, 8
 
 `token_ids` (V,) maps an interface index to its Chameleon id; `interface_index` maps back (-1 outside V).
 
+Proximity tables (`ImageTarget.latent_table` / `lm_embedding_table`, read by LANTERN and GSD):
+`latent_table()` is Chameleon's VQGAN codebook (8192 x 256) followed by two rows for the layout tokens,
+which have no code: `layout_rows` puts them farther from every code (and from each other) than any two codes
+are apart, so LANTERN never pools a layout token with a code. The codebook is the decoding VQGAN's (our
+`models.chameleon_vqgan` port of `vqgan_path`), else transformers' `model.vqmodel` quantizer where the
+checkpoint held it (Lumina-mGPT deletes the VQ model before fine-tuning, so its released checkpoints most
+likely do not: `from_pretrained` records whether they did). `lm_embedding_table()` is
+`embed_tokens.weight[token_ids]`, the rows of GSD's table (the LM's input embeddings by Chameleon id).
+
 Geometry: the generated image is the code grid *with its end-of-line column*: `geometry.grid` =
 (rows, cols + 1) so G = rows * (cols + 1) (2352 for 768 px); token j is an end-of-line exactly when
 j % (cols + 1) == cols. The end-of-image token that follows (upstream forces it right after the last
@@ -94,7 +103,26 @@ END_OF_LINE = "<reserved08799>"  # 8803
 SIZE_TOKEN = "<reserved{:05d}>"  # size token of n grids: <reserved{8800 + n}> (id 8804 + n)
 SIZE_PATCH_CODES = 2  # upstream: a size-token grid is 32 px = 2 VQ codes (h_latent = h_grids * 2)
 DEFAULT_HUB_ID = "Alpha-VLLM/Lumina-mGPT-7B-768"
+VQ_CODEBOOK_KEY = "model.vqmodel.quantize.embedding.weight"
+"""transformers' key of the Chameleon VQGAN codebook inside a Chameleon checkpoint."""
 DEFAULT_GRID = (48, 48)  # 768 px / 16
+
+
+def layout_rows(codebook: Tensor, count: int) -> Tensor:
+    """(count, e) float32 latent rows for tokens without a code, farther from every code than any two codes are
+    apart and as far from each other: (K, e) codebook -> rows no code ever has among its K - 1 nearest.
+
+    With c the codebook's mean and r its largest distance from c, row j (1-based) is c + j (4r + 1) along the
+    first axis: it lies at least 3r + 1 from every code (codes are at most 2r apart) and 4r + 1 from the other
+    rows, and its squared distance to a code is at least 1 (above GSD's 0.5 threshold on any table).
+    """
+    codes = codebook.detach().float()
+    centre = codes.mean(0)  # (e,)
+    radius = (codes - centre).norm(dim=-1).max()
+    steps = torch.arange(1, count + 1, device=codes.device, dtype=codes.dtype)[:, None] * (4 * radius + 1)  # (n, 1)
+    axis = torch.zeros_like(centre)
+    axis[0] = 1.0
+    return centre + steps * axis  # (count, e)
 
 
 class LuminaTarget(TransformersDecoderTarget):
@@ -114,6 +142,7 @@ class LuminaTarget(TransformersDecoderTarget):
         vq_decoder: Callable[[Tensor], Tensor] | None = None,
         vqgan_path: str | Path | None = None,
         vqgan_config: ChameleonVQGANConfig | dict | str | Path | None = None,
+        vq_codebook_loaded: bool = True,
     ) -> None:
         """Wrap a loaded model and its tokenizer.
 
@@ -133,6 +162,9 @@ class LuminaTarget(TransformersDecoderTarget):
                 also works), loaded by `load_vq_decoder` on the first `decode_images`; excludes `vq_decoder`.
             vqgan_config: its architecture (`ChameleonVQGANConfig`, its fields, or the release's
                 `vqgan.yaml`); None = the Chameleon VQGAN.
+            vq_codebook_loaded: whether `model.model.vqmodel`'s codebook holds trained weights (a checkpoint
+                without them leaves transformers' random init); `from_pretrained` reads it off the checkpoint.
+                False: `latent_table` needs `vqgan_path`.
         """
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -145,6 +177,7 @@ class LuminaTarget(TransformersDecoderTarget):
         self.vq_decoder = vq_decoder
         self.vqgan_path = Path(vqgan_path) if vqgan_path is not None else None
         self.vqgan_config = vqgan_config
+        self.vq_codebook_loaded = vq_codebook_loaded
         base_model = model.model  # ChameleonModel: the decoder stack and the image vocabulary mapping
         self.language_model = base_model
         config = model.config
@@ -227,12 +260,17 @@ class LuminaTarget(TransformersDecoderTarget):
             dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
             device: None = this process's GPU (cuda:LOCAL_RANK) when CUDA is available, else CPU.
             **kwargs: passed to `LuminaTarget` (name, sampling, grid, max_prompt_tokens, aux_layer_ids,
-                vq_decoder, vqgan_path, vqgan_config); `vqgan_path=".../vqgan.ckpt"` enables `decode_images`.
+                vq_decoder, vqgan_path, vqgan_config); `vqgan_path=".../vqgan.ckpt"` enables `decode_images`
+                (and `latent_table` when the checkpoint holds no VQ codebook, whose absence is recorded here).
         """
         from transformers import AutoTokenizer, ChameleonForConditionalGeneration
 
         device, dtype = placement(device, dtype)
-        model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        loaded: Any = ChameleonForConditionalGeneration.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True
+        )
+        model, info = loaded  # (model, {"missing_keys": [...], ...})
+        kwargs.setdefault("vq_codebook_loaded", VQ_CODEBOOK_KEY not in info["missing_keys"])
         tokenizer = AutoTokenizer.from_pretrained(path)
         model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` with functools.wraps: mypy sees no self
         return cls(model, tokenizer, **kwargs)
@@ -319,6 +357,49 @@ class LuminaTarget(TransformersDecoderTarget):
 
     def image_head_weight(self) -> Tensor:
         return self.model.lm_head.weight
+
+    def lm_embedding_table(self) -> Tensor:
+        """(V, D) the Chameleon input embeddings of the V tokens, `embed_tokens.weight[token_ids]`: the rows of GSD's
+        table (the authors index the LM's embedding table by Chameleon id; every image id is below 10,000)."""
+        weight = self.model.model.embed_tokens.weight.detach()  # (vocab_size, D)
+        return weight[self.token_ids.to(weight.device)]
+
+    def latent_table(self) -> Tensor:
+        """(V, e) float32 = (K + 2, 256) for the real model: Chameleon's VQGAN codebook, then the end-of-line and
+        end-of-image rows (`layout_rows`: far from every code and from each other).
+
+        The codebook is the decoding VQGAN's `quantize.embedding.weight` (`vqgan_path`'s, loaded once by
+        `load_vq_decoder`, or an injected `ChameleonVQGANDecoder`), else transformers' `model.vqmodel.quantize`
+        (the same vqgan.ckpt quantizer, converted into the checkpoint) when it was loaded.
+
+        Raises:
+            NotImplementedError: neither source holds trained weights; load the target with `vqgan_path`.
+            ValueError: the codebook's size is not the vocabulary map's K.
+        """
+        codebook = self.vq_codebook()  # (K, e)
+        return torch.cat([codebook.float(), layout_rows(codebook, 2)])
+
+    def vq_codebook(self) -> Tensor:
+        """(K, e) the VQGAN codebook `latent_table` starts with, the module's own parameter (detached)."""
+        from models.chameleon_vqgan import ChameleonVQGANDecoder
+
+        decoder = self.load_vq_decoder() if self.vqgan_path is not None else self.vq_decoder
+        if isinstance(decoder, ChameleonVQGANDecoder):
+            codebook = decoder.quantize.embedding.weight
+        elif self.vq_codebook_loaded:
+            codebook = self.model.model.vqmodel.quantize.embedding.weight
+        else:
+            raise NotImplementedError(
+                f"target {self.name!r}: its checkpoint holds no VQ codebook ({VQ_CODEBOOK_KEY} was missing, so "
+                "transformers left it random) and no VQGAN was given; load the target with "
+                "vqgan_path='.../vqgan.ckpt' (Meta Chameleon's VQGAN) for LANTERN's latent table"
+            )
+        if codebook.shape[0] != self.num_codes:
+            raise ValueError(
+                f"target {self.name!r}: a VQ codebook of {codebook.shape[0]} codes does not fit the vocabulary map's "
+                f"{self.num_codes} image codes"
+            )
+        return codebook.detach()
 
     def to_chameleon_ids(self, tokens: Tensor) -> Tensor:
         """Interface indices (any shape) -> Chameleon token ids."""

@@ -16,7 +16,10 @@ vocabulary:
 - `sampling` holds the official sampling defaults and `geometry` the token grid and pixel size;
   `decode_images` turns image tokens into pixels;
 - `constrain_logits(logits, token_index)` forbids tokens the image layout rules out at an index
-  (-inf logits), applied by every decoder after CFG; by default it constrains nothing.
+  (-inf logits), applied by every decoder after CFG; by default it constrains nothing;
+- `latent_table()` and `lm_embedding_table()` are the two tables the peers' rules measure token
+  proximity on (`inference.generate.build_rule`): the image tokenizer's VQ codebook, LANTERN's latent
+  proximity, and the LM's input embeddings of the image tokens, GSD's distance.
 
 Shapes: B prompts, R rows (2B with CFG, else B), T new tokens, C prefix length, D hidden size,
 V image vocabulary, G image tokens per image.
@@ -215,6 +218,32 @@ class ImageTarget(ABC):
         returns a new tensor. Default: no constraint, `logits` returned unchanged (the same tensor).
         """
         return logits
+
+    def latent_table(self) -> Tensor:
+        """(V, e) the latent vector of every image-vocabulary index: the VQ codebook the target's images are
+        tokenized with, which LANTERN's latent proximity reads (`quantize.embedding.weight`, raw, as its authors).
+
+        Implementations return the model's own tensor where they can (no copy, detached), in its dtype and on
+        its device; index v is image token v. Rows for tokens that have no code (Lumina-mGPT's end-of-line and
+        end-of-image) are the target's choice and documented there.
+
+        Raises:
+            NotImplementedError: by default: the target exposes no VQ codebook.
+        """
+        raise NotImplementedError(
+            f"target {self.name!r} ({type(self).__name__}) exposes no latent table (its VQ codebook): implement "
+            "latent_table() for it, or give LANTERN a stand-in table (build_rule's latent_table=)"
+        )
+
+    @torch.no_grad()
+    def lm_embedding_table(self) -> Tensor:
+        """(V, D) the LM's input embedding of every image-vocabulary index: the vectors the LM reads for image
+        tokens, on which GSD's authors measure token distance (the LM's input embedding table, indexed by LM id).
+
+        Default: `embed_image_tokens` over all V indices (a new tensor, in the target's dtype); a target whose
+        image tokens are rows of an embedding parameter returns that parameter itself.
+        """
+        return self.embed_image_tokens(torch.arange(self.image_vocab_size, device=self.device))
 
 
 class DecoderTarget(ImageTarget):

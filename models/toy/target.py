@@ -104,6 +104,14 @@ class ToyTarget(DecoderTarget):
     def embed_image_tokens(self, tokens: Tensor) -> Tensor:
         return self.network.gpt.tok_embeddings(tokens)
 
+    def latent_table(self) -> Tensor:
+        """(V, P*P*3) the PatchVQ codebook (`vq.codebook`, a buffer): each code's mean RGB patch."""
+        return self.vq.codebook
+
+    def lm_embedding_table(self) -> Tensor:
+        """(V, D) the GPT's input embedding table (`tok_embeddings.weight`): LM ids are the image codes."""
+        return self.network.gpt.tok_embeddings.weight.detach()
+
     def image_head(self, hidden: Tensor) -> Tensor:
         return self.network.gpt.output(hidden)
 
