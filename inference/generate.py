@@ -143,19 +143,26 @@ def build_rule(
     target: ImageTarget,
     options: Mapping[str, object] | None = None,
     drafter_dir: Path | None = None,
-    codebook: Tensor | None = None,
+    latent_table: Tensor | None = None,
 ) -> Rule:
     """Verification rule `name` with its dataclass defaults, overridden by `options` (strings are parsed).
 
     CASCADE's tau_pos / tau_seq come from `drafter_dir/cascade_calibration.json` when that file exists
     (`inference.calibrate`; one written for another target is an error), unless `options` set them.
-    LANTERN rules get the target's VQ-codebook neighbour table, GSD the codebook and the target's LM ids
-    (`token_ids`, where it has them). Unless `options` set them: LANTERN's k is `default_lantern_k(V)`;
+    LANTERN rules get the neighbour table of the target's `latent_table()`, its image tokenizer's VQ codebook
+    as LANTERN's authors use it: the toy's PatchVQ (V x P*P*3 RGB patches), LlamaGen's VQ-16 and Janus-Pro's
+    generation VQ-16 (16384 x 8), Lumina-mGPT's Chameleon VQGAN (8192 x 256, plus two far rows for its
+    end-of-line and end-of-image tokens). GSD gets the target's `lm_embedding_table()`, the LM's input
+    embeddings of the image tokens as GSD's authors measure distance (as float32): the GPT's `tok_embeddings`
+    (toy, LlamaGen), Chameleon's `embed_tokens` rows of the image tokens (Lumina-mGPT), the aligned generation
+    embeddings `generation_aligner(generation_embeddings(v))` (Janus-Pro, whose image tokens have no LM
+    embedding row); and the target's LM ids (`token_ids`, where it has them: Lumina-mGPT's Chameleon ids) for
+    its id bound. Unless `options` set them: LANTERN's k is `default_lantern_k(V)`;
     LANTERN++ takes the CASCADE authors' baseline k = `LANTERN_PP_K` (10) and lam = `LANTERN_PP_LAM` (3.0);
     and `static_zeroes` follows the target's family as LANTERN's own file for it does
     (`lantern_static_zeroes`: "p" on Lumina-mGPT, "q" on LlamaGen).
-    `codebook` (V, e), when given, stands in for the target's codebook (LANTERN, GSD), e.g. a random one
-    for the random-weight targets of a latency run, which expose none.
+    `latent_table` (V, e), when given, stands in for the target's own (LANTERN rules; the others ignore it),
+    e.g. a random one for a latency run's random-weight target that exposes none.
     """
     known = rule_options(name)
     values: dict[str, object] = {}
@@ -166,7 +173,8 @@ def build_rule(
     if name == "cascade":
         values = {**load_calibration(drafter_dir, target.name), **values}
     if name == "gsd":  # LM ids where the target has them (Lumina-mGPT's Chameleon ids): GSD's id bound reads them
-        embeddings, token_ids = _codebook(name, target, codebook), getattr(target, "token_ids", None)
+        embeddings = target.lm_embedding_table().float()  # float32 once here, not at every step's `prepare`
+        token_ids = getattr(target, "token_ids", None)
         return GSDRule(embeddings=embeddings, token_ids=token_ids, **values)  # type: ignore[arg-type]
     if name not in ("lantern", "lantern++"):
         return RULE_CLASSES[name](**values)
@@ -175,7 +183,7 @@ def build_rule(
     if name == "lantern++" and values.setdefault("lam", LANTERN_PP_LAM) is None:
         raise ValueError("lantern++ needs lam (its multiplicative bound); without it use the rule lantern")
     values.setdefault("static_zeroes", lantern_static_zeroes(target.family))
-    codebook = _codebook(name, target, codebook)
+    codebook = _codebook(name, target, latent_table)
     if values.get("k") is None:  # unset, or "none": the mode's published default
         values["k"] = LANTERN_PP_K if name == "lantern++" else default_lantern_k(codebook.shape[0])
     k = int(values["k"])  # type: ignore[call-overload]
@@ -185,13 +193,23 @@ def build_rule(
 
 
 def _codebook(name: str, target: ImageTarget, stand_in: Tensor | None = None) -> Tensor:
-    """The target's VQ codebook (V, e), or `stand_in` if given: LANTERN's latent proximity and GSD's distance."""
-    if stand_in is not None:
-        return stand_in
-    codebook = getattr(getattr(target, "vq", None), "codebook", None)
-    if codebook is None:
-        raise ValueError(f"rule {name!r} needs the target's VQ codebook; {target.name!r} exposes none")
-    return codebook
+    """LANTERN's latent proximity table (V, e): `stand_in` if given, else the target's `latent_table()`.
+
+    Raises:
+        ValueError: the target has no latent table (its reason, and the fix, in the message).
+    """
+    table = stand_in
+    if table is None:
+        try:
+            table = target.latent_table()
+        except NotImplementedError as error:
+            raise ValueError(f"rule {name!r} needs the target's latent table (its VQ codebook): {error}") from None
+    if table.shape[0] != target.image_vocab_size:
+        raise ValueError(
+            f"rule {name!r}: a latent table of {table.shape[0]} rows for {target.name!r}'s "
+            f"{target.image_vocab_size} image tokens"
+        )
+    return table
 
 
 def rule_settings(rule: Rule) -> dict[str, object]:

@@ -235,11 +235,14 @@ class GSDRule:
 
     The authors measure distances on the LM's input embedding table (its first 10,000 rows, by LM id), which is
     why ids above 10,000 skip the filter (in their code an id of exactly 10,000 reads past that table). Ours
-    measures them on `embeddings`, the table the caller gives (`build_rule`: the target's VQ codebook; the LM's
-    own input embeddings where a target builds them), and applies the id bound only where the target exposes LM
-    ids (`token_ids`: Lumina-mGPT's Chameleon ids, whose image tokens all lie below 10,000); without them the
-    distance filter always runs. On a tree, p and q are the residual target and the draw distribution of the
-    slot (for the authors, one draft per position: the target and the Jacobi iterate).
+    measures them on `embeddings`, the table the caller gives: `build_rule` passes the target's
+    `lm_embedding_table()`, the LM's input embeddings of its image tokens in image-vocabulary order (Lumina-mGPT:
+    Chameleon's `embed_tokens` rows of its image ids, the authors' table; LlamaGen and the toy: the GPT's
+    `tok_embeddings`; Janus-Pro: `generation_aligner(generation_embeddings)`, what its LM reads for an image
+    token). It applies the id bound only where the target exposes LM ids (`token_ids`: Lumina-mGPT's Chameleon
+    ids, whose image tokens all lie below 10,000); without them the distance filter always runs. On a tree, p and
+    q are the residual target and the draw distribution of the slot (for the authors, one draft per position: the
+    target and the Jacobi iterate).
     """
 
     embeddings: Tensor

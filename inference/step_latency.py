@@ -27,8 +27,10 @@ projected speedup is
 On CUDA every timed region is bracketed by a synchronize (`synchronized_clock`). tau is not measured
 (what random weights accept says nothing about a trained drafter): it comes from the command line
 (default `DEFAULT_TAU`).
-The rules needing a VQ codebook (LANTERN, GSD) get a random stand-in (V x 8, VQ-16's code width)
-when the target exposes none (random-weight targets): their cost depends on its shape only.
+LANTERN's rules read the target's latent table (`ImageTarget.latent_table`; the random-weight targets' own
+random VQ codebooks, at the real shapes); a target that exposes none gets a random stand-in (V x 8, VQ-16's
+code width): their cost depends on its shape only. GSD reads the target's LM input embeddings, which every
+target has.
 
 Shapes: B prompts, R rows (2B with CFG), N tree nodes, V image vocabulary.
 """
@@ -321,10 +323,13 @@ def format_step_latency(report: StepLatencyReport) -> str:
     return "\n".join(lines)
 
 
-def stand_in_codebook(target: ImageTarget, seed: int = 0) -> Tensor | None:
-    """None when `target` exposes its VQ codebook; else a random (V, 8) one on its device for LANTERN and GSD."""
-    if getattr(getattr(target, "vq", None), "codebook", None) is not None:
+def stand_in_latent_table(target: ImageTarget, seed: int = 0) -> Tensor | None:
+    """None when `target` exposes its latent table (`latent_table()`); else a random (V, 8) one on its device."""
+    try:
+        target.latent_table()
         return None
+    except NotImplementedError:
+        pass
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(target.image_vocab_size, STAND_IN_CODE_WIDTH, generator=generator).to(target.device)
 
@@ -426,8 +431,8 @@ def run_latency_command(
             config = decoder_config(args)
             drafter, drafter_name = _build_drafter(args, target)
             verifier = compile_decoding(target, drafter, args.compile) if args.compile else verify
-            codebook = stand_in_codebook(target, args.seed)
-            rules = {label: build_rule(name, target, options, args.drafter, codebook)
+            stand_in = stand_in_latent_table(target, args.seed)
+            rules = {label: build_rule(name, target, options, args.drafter, stand_in)
                      for label, name, options in rule_specs}  # fmt: skip
             step_report = measure_step_latency(target, drafter, rules, config, tau=args.tau, steps=args.latency_steps,
                                                prompts=args.latency_prompts, context_tokens=args.context_tokens,
