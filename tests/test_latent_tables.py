@@ -171,3 +171,13 @@ def test_peer_rules_decode_on_every_tiny_target(targets, name, rule_name):
     allowed = torch.isfinite(target.constrain_logits(torch.zeros(1, count, vocab), index))  # (1, G, V)
     assert allowed.gather(-1, result.tokens[..., None].cpu()).all()  # the layout holds (Lumina's end-of-line column)
     assert result.target_forwards < count  # the oracle drafter's drafts are accepted: fewer forwards than AR
+
+
+@pytest.mark.parametrize("name", ["janus-pro-7b", "lumina-mgpt-7b", "llamagen-xl"])
+def test_latency_runs_use_a_random_weight_targets_own_table(name):
+    from models.random_weights import random_target
+
+    target = random_target(name, "tiny")
+    assert stand_in_latent_table(target) is None  # no random V x 8 stand-in: the target's VQ codebook, its shape
+    rule = build_rule("lantern", target)
+    assert torch.equal(rule.neighbours, build_latent_neighbours(target.latent_table(), rule.k + 1))
