@@ -412,36 +412,35 @@ def at_node_tokens(p: Tensor, tokens: Tensor) -> Tensor:
     return p.gather(-1, index)
 
 
-def drafter_pairs(tree: Tree, threshold: float) -> Tensor:
-    """(B, N, N) bool [w, v]: w and v are distinct nodes of one depth, both with children, whose drafter
-    distributions (q_full, the rows the dev drafter computes: it runs on the nodes with children only) have
-    cosine > threshold. In the dev drafter (`topK_generate`), one drafting iteration's `bias_list` entry."""
-    q = tree.q_full.float()  # (B, N, V); 0 at leaves, which have no row in the dev drafter either
+def dev_pairs(tree: Tree, threshold: float, shifted: bool) -> Tensor:
+    """(B, N, N) float 0/1 [x, y]: node y's token joins x's second test.
+
+    The dev drafter (`topK_generate`) runs on the nodes with children only (its tree buffers hold those), and after
+    each iteration pairs the distinct rows w, v of one depth whose distributions (q_full here; 0 at leaves, which
+    have no row there either) have cosine > threshold. Unshifted ("level"), those are the pairs. Shifted ("code"),
+    as the dev verifier reads them: testing depth d, it takes the pairs of depth d + 1's rows, numbered 0, 1, ...
+    in node order, and adds the index of depth d's first node (`per_level_node_counts`), so row r lands on the node
+    at position start(d) + r of the depth-major node order (a static tree's node ids are that order): w landing on
+    a depth-d node x pairs x with the node v lands on, a node at depth d or deeper (the code does not check).
+    """
+    depths = tree.depths  # (B, N)
+    drafted = tree.children[..., 0] >= 0  # (B, N) the node has children: the drafter has a row there
+    q = tree.q_full.float()  # (B, N, V)
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     cosine = q @ q.transpose(-1, -2)  # (B, N, N)
-    drafted = tree.children[..., 0] >= 0  # (B, N) the node has children: the drafter ran on it
-    level = tree.depths[:, :, None] == tree.depths[:, None, :]  # (B, N, N)
-    other = ~torch.eye(tree.num_nodes, dtype=torch.bool, device=q.device)
-    return (cosine > threshold) & level & other & drafted[:, :, None] & drafted[:, None, :]
-
-
-def shifted_onto_level_above(tree: Tree) -> Tensor:
-    """(B, N, N) float 0/1 [w, n]: the node n the dev code reads a drafter row w at, one level up.
-
-    The dev verifier reads the pairs of the nodes with children at depth d + 1 (rows numbered 0, 1, ... among
-    those nodes, in node order) while it tests depth d, adding to row r the index of the first node at depth d
-    (`per_level_node_counts`): row r lands on the node at position start(d) + r of the depth-major node order
-    (node order within a depth; a static tree's node ids are that order), which may lie a level deeper still.
-    Rows at depth 1 are never read (depth 0 is never tested) and land nowhere, nor do leaves (no rows)."""
-    depths = tree.depths  # (B, N)
-    drafted = tree.children[..., 0] >= 0  # (B, N)
-    level = depths[:, :, None] == depths[:, None, :]  # (B, N, N) [n, m]
-    before = level & strictly_lower(tree.num_nodes, depths.device)  # m at n's depth, earlier in node order
-    position = (depths[:, None, :] < depths[:, :, None]).sum(-1) + before.sum(-1)  # (B, N) depth-major
-    row = (before & drafted[:, None, :]).sum(-1)  # (B, N) rank among the depth's nodes with children
-    start_above = (depths[:, None, :] < depths[:, :, None] - 1).sum(-1)  # (B, N) nodes above the depth above
-    read = torch.where(drafted & (depths >= 2), start_above + row, -1)  # (B, N) the position read, -1: none
-    return (position[:, None, :] == read[:, :, None]).float()
+    rise = depths[:, :, None] - depths[:, None, :]  # (B, N, N) [n, m]: how much deeper n is than m
+    before = (rise == 0) & strictly_lower(tree.num_nodes, depths.device)  # m at n's depth, earlier in node order
+    rows = drafted[:, :, None] & drafted[:, None, :] & (before | before.transpose(-1, -2))  # distinct, one depth
+    pairs = ((cosine > threshold) & rows).float()  # (B, N, N) [w, v]
+    if not shifted:
+        return pairs
+    position = (rise > 0).sum(-1) + before.sum(-1)  # (B, N) depth-major
+    row = (before & drafted[:, None, :]).sum(-1)  # (B, N) rank among its depth's nodes with children
+    read = (rise > 1).sum(-1) + row  # (B, N) the position row w is read at: nodes above depth d_w - 1, + its rank
+    # (rows at depth 1 land on the root, never tested; a leaf's lands anywhere, but it has no pairs)
+    onto = position[:, None, :] == read[:, :, None]  # (B, N, N) [w, n]
+    as_x = (onto & (rise == 1)).float()  # x is tested at w's depth - 1 only
+    return as_x.transpose(-1, -2) @ pairs @ onto.float()  # 0/1: distinct rows land on distinct nodes
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -461,7 +460,7 @@ class CascadeDevRule:
     2. pairs ("code", the default): the code reads the pairs of the drafter's next iteration, off by one level.
        Its drafter forms pairs (w, v) among the nodes with children at depth d + 1 whose q have cosine >
        pair_threshold (cousins included), and the verifier adds the index of depth d's first node to their row
-       numbers (`shifted_onto_level_above`): x takes the pair (w, v) when w's row lands on x, and adds p at the
+       numbers (`dev_pairs`): x takes the pair (w, v) when w's row lands on x, and adds p at the
        token of the node v's row lands on (a node at depth d, or deeper: the code does not check). The drafter
        computes q only at nodes with children (its tree buffers hold those), and our trees have q there: no
        leaf needs a distribution. Pairs exist at d <= max depth - 2 only.
@@ -494,12 +493,7 @@ class CascadeDevRule:
         s = (inputs.at_parents(states) * states[rows, grand]).sum(-1)  # (B, I) parent vs grandparent
         deep = inputs.at_parents(tree.depths) >= 1  # the children are at depth >= 2
         convergence = torch.where((s > self.sim_threshold) & deep, s, 0.0)[..., None] * inputs.usable  # (B, I, K)
-        pairs = drafter_pairs(tree, self.pair_threshold).float()  # (B, N, N) [w, v]
-        if self.pairs == "code":  # [x, y] = sum over w, v of [w lands on x, one level up] pairs[w, v] [v lands on y]
-            onto = shifted_onto_level_above(tree)  # (B, N, N) [w, n]
-            depths = tree.depths
-            as_x = onto * (depths[:, None, :] == depths[:, :, None] - 1)  # x is tested at w's depth - 1 only
-            pairs = as_x.transpose(-1, -2) @ pairs @ onto  # 0/1: distinct rows land on distinct nodes
+        pairs = dev_pairs(tree, self.pair_threshold, shifted=self.pairs == "code")  # (B, N, N) [x, y]
         kid = tables.child_index.view_as(inputs.children)  # (B, I, K), padding at node 0
         partners = pairs[rows[..., None], kid]  # (B, I, K, N)
         return CascadeDevState(convergence, partners, tree.tokens)
