@@ -167,6 +167,28 @@ def _gsd_cluster(rule: GSDRule, p: list[float], x: int) -> list[int]:
     return cluster
 
 
+def _dev_partners(rule: CascadeDevRule, row: RowTree, n: int) -> list[int]:
+    """The nodes whose tokens' p the dev rule adds for x = node n at depth d. "code": the nodes with children at
+    depth d + 1 are the drafter's rows, numbered in node order; x takes the row numbered as x's place among the
+    depth-d nodes, and each other row v whose q has cosine > pair_threshold with it gives the node at depth-major
+    place start(d) + v. "level": the other nodes with children at depth d whose q has that cosine with x's."""
+    depth = row.depths[n]
+    order = sorted(range(len(row.tokens)), key=lambda m: (row.depths[m], m))  # depth-major
+    drafted = [m for m in order if row.children(m, None)]
+
+    def close(a: int, b: int) -> bool:
+        return _cosine_plain(row.q_full[a], row.q_full[b]) > rule.pair_threshold
+
+    if rule.pairs == "level":
+        return [m for m in drafted if row.depths[m] == depth and m != n and n in drafted and close(n, m)]
+    rows = [m for m in drafted if row.depths[m] == depth + 1]
+    level = [m for m in order if row.depths[m] == depth]
+    start, place = order.index(level[0]), level.index(n)
+    if place >= len(rows):
+        return []
+    return [order[start + v] for v, m in enumerate(rows) if v != place and close(rows[place], m)]
+
+
 def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float | None, limit: int | None = None):
     """Walk one tree. accept_uniforms[d][c] decides child c of the depth-d node; returns an `Outcome`.
 
@@ -210,11 +232,10 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
             elif isinstance(rule, CascadeDevRule):
                 chance = base
                 if q_x > 0 and _in_nucleus(p, x, rule.nucleus):
-                    total = sum(p[row.tokens[m]] for m in kids if m != n and usable(m)
-                                and _cosine_plain(row.q_full[n], row.q_full[m]) > rule.pair_threshold)  # fmt: skip
-                    s = _cosine_plain(_softmax(row.features[n]), _softmax(row.features[u]))
-                    if s > rule.sim_threshold and row.depths[n] >= 2:
-                        total += s
+                    total = sum(p[row.tokens[m]] for m in _dev_partners(rule, row, n))
+                    if row.depths[n] >= 2:  # x's parent u against u's parent
+                        s = _cosine_plain(_softmax(row.features[u]), _softmax(row.features[row.parents[u]]))
+                        total += s if s > rule.sim_threshold else 0.0
                     if total > 0:
                         chance = max(base, 1.0 if total >= q_x else min(1.0, p[x] / (q_x - total)))
             elif isinstance(rule, LanternRule):

@@ -107,12 +107,17 @@ def test_the_counter_tells_views_from_computing_ops():
 # CPU the drafter's norms take three ops each (`_unit_rms`). Drafted trees have distinct siblings, so verification
 # skips the duplicate test. Sampled drafts carry no draw probabilities: verification derives them, and every
 # slot's q_c, from q at the parent (`draw_probabilities`, `draw_distributions`).
+# The CASCADE dev rule reads the dev code's pairs (the next depth's drafter rows shifted onto the tested depth) off
+# the tree's shape at every step: depth-major positions, ranks among each depth's nodes with children and two
+# batched products over N x N, about 20 ops more than the sibling-only paraphrase it replaced [225, 190, 230, 258];
+# its ceiling is its own. On the toy target's sampled dynamic tree that leaves it at 0.99 overhead ops a target op.
 DRAFT_CEILING = {"static": 405, "static-chain": 512, "dynamic": 407, "dynamic-sampled": 413}
 EXACT_VERIFY_CEILING = {"static": 140, "static-chain": 104, "dynamic": 112, "dynamic-sampled": 152}
 OWN_RESIDUAL_RULES = ("lantern", "lantern++", "gsd-blocks")
 OWN_RESIDUAL_VERIFY_CEILING = {"static": 195, "static-chain": 134, "dynamic": 176, "dynamic-sampled": 206}
 BLOCK_SLOTS_VERIFY_CEILING = 295  # GSD-blocks on the dynamic tree
 VERIFY_CEILING = {"static": 225, "static-chain": 188, "dynamic": 245, "dynamic-sampled": 272}
+CASCADE_DEV_VERIFY_CEILING = {"static": 248, "static-chain": 209, "dynamic": 253, "dynamic-sampled": 284}
 
 
 def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
@@ -125,6 +130,8 @@ def test_every_phase_of_a_step_stays_within_its_op_budget(op_rows):
             ceiling = BLOCK_SLOTS_VERIFY_CEILING
         elif row["rule"] in OWN_RESIDUAL_RULES:
             ceiling = OWN_RESIDUAL_VERIFY_CEILING[tree]
+        elif row["rule"] == "cascade-dev":
+            ceiling = CASCADE_DEV_VERIFY_CEILING[tree]
         else:
             ceiling = VERIFY_CEILING[tree]
         assert ops["verify"] <= ceiling, row

@@ -113,6 +113,7 @@ def all_rules(vocab: int, seed: int = 0) -> list:
         CascadeRule(delta=0.3, conv_mode="path", pool_beyond_tree=True, **loose),
         CascadeDevRule(),
         CascadeDevRule(sim_threshold=0.1, pair_threshold=0.2, nucleus=0.95),
+        CascadeDevRule(sim_threshold=0.1, pair_threshold=0.2, pairs="level"),
     ]
 
 
@@ -569,19 +570,49 @@ def test_rules_reject_bad_settings():
         CascadeRule(delta=1.5)
     with pytest.raises(ValueError, match="static_zeroes"):
         LanternRule(neighbours=torch.zeros(3, 3, dtype=torch.long), k=1, static_zeroes="x")
+    with pytest.raises(ValueError, match="pairs"):
+        CascadeDevRule(pairs="siblings")
 
 
 def test_cascade_dev_follows_the_development_code_by_hand():
-    # Dev commit 8c40c9c, ea_model_lumina_mgpt.py: x = 2 (p 0.2) and its sibling y = 3 (p 0.25) at the root,
-    # deterministic drafts (q(x) = 1), drafter distributions at both children identical (cosine 1 > 0.5).
-    # The 0.8 nucleus of P_ROOT holds 0 (0.4), 3 (0.25) and 2 (0.2, mass before it 0.65 < 0.8): x may be relaxed.
-    # At depth 1 the state-convergence term is off (depth >= 2), so S = p(3) = 0.25 and x is accepted
-    # w.p. min(1, p(x) / (q(x) - S)) = 0.2 / 0.75 = 0.2667; token 1 (p 0.1) lies outside the nucleus: plain p(1).
-    probs = torch.tensor([P_ROOT, [0.2] * 5, [0.2] * 5])
-    q_full = torch.tensor([[0.2] * 5, [0.1, 0.2, 0.3, 0.2, 0.2], [0.1, 0.2, 0.3, 0.2, 0.2]])
-    for first, expected in ((2, 0.2 / 0.75), (1, 0.1)):
-        tree = Tree(torch.tensor([[0, first, 3]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]), q_full[None],
-                    False, 1, 2)  # fmt: skip
-        view = TargetView(probs[None], probs.argmax(-1)[None], torch.randn(1, 3, 4))
-        verdict = verify(tree, view, CascadeDevRule(), Uniforms(torch.ones(1, 1, 2), torch.zeros(1)))
-        assert float(verdict.accept_prob[0, 0, 0]) == pytest.approx(expected)
+    """Dev commit 8c40c9c (ea_model_lumina_mgpt.py with topK_generate's pairs), deterministic drafts (q(x) = 1) on
+    the tree (0,) (1,) (0, 0) (1, 0) (0, 0, 0) (1, 0, 0): nodes 1 and 2 at depth 1 (tokens 2 and 3), 3 and 4 at
+    depth 2 (tokens 1 and 4), leaves 5 and 6.
+
+    Pairs, off by one level: testing depth 1, the code reads the drafter rows of depth 2 (the nodes with children
+    there: 3 and 4, rows 0 and 1), shifted onto depth 1's first node: rows 0 and 1 land on nodes 1 and 2. q at 3
+    and 4 is the same (cosine 1 > 0.5), q at 1 and 2 orthogonal: node 1 pairs with node 2 by its children's q,
+    not its own. x = 2 (p 0.2) is in the 0.8 nucleus of P_ROOT (mass above it 0.65), so S = p(3) = 0.25 and x is
+    accepted w.p. 0.2 / (1 - 0.25) = 0.2667. Node 2 is tested next on p without token 2: p(3) = 0.25 / 0.8, and its
+    partner's token 2 is gone: plain 0.3125.
+
+    Convergence of the parent and the grandparent: testing node 3 (token 1, p 0.07 at node 1, in the nucleus:
+    mass above 0.75), S = s, the cosine of the softmaxed states at node 1 and the root (0.926 > 0.9), though node
+    3's own state is far from node 1's: accepted w.p. 0.07 / (1 - s) = 0.952. Depth 2 has no pairs (no node at
+    depth 3 has children)."""
+    probs = torch.tensor([P_ROOT, [0.75, 0.07, 0.06, 0.06, 0.06]] + [[0.2] * 5] * 5)
+    q_full = torch.zeros(7, 5)
+    q_full[0] = 0.2
+    q_full[1, 0], q_full[2, 1] = 1.0, 1.0  # orthogonal: the paraphrase's sibling pair would not form
+    q_full[3] = q_full[4] = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])
+    features = torch.zeros(7, 4)
+    features[1, 0] = 0.8  # the root's state is 0: softmax uniform
+    features[3] = torch.tensor([-3.0, 3.0, 0.0, 0.0])
+
+    def softmax_cosine(a: int, b: int) -> float:
+        return float(torch.cosine_similarity(features[a].softmax(-1), features[b].softmax(-1), dim=0))
+
+    s = softmax_cosine(1, 0)
+    assert s == pytest.approx(0.92647, abs=1e-5) and softmax_cosine(3, 1) < 0.9
+    tree = Tree(torch.tensor([[0, 2, 3, 1, 4, 0, 0]]), torch.tensor([[-1, 0, 0, 1, 2, 3, 4]]),
+                torch.tensor([[0, 1, 1, 2, 2, 3, 3]]), q_full[None], False, 3, 2)  # fmt: skip
+    view = TargetView(probs[None], probs.argmax(-1)[None], features[None])
+    rejected = verify(tree, view, CascadeDevRule(), Uniforms(torch.ones(1, 3, 2), torch.zeros(1)))
+    assert rejected.accept_prob[0, 0].tolist() == pytest.approx([0.2 / 0.75, 0.25 / 0.8])
+    first_accepted = torch.ones(1, 3, 2)
+    first_accepted[0, 0, 0] = 0.0
+    verdict = verify(tree, view, CascadeDevRule(), Uniforms(first_accepted, torch.zeros(1)))
+    assert float(verdict.accept_prob[0, 1, 0]) == pytest.approx(0.07 / (1 - s), rel=1e-5)
+    # the reading we take the code to intend (pairs="level"): depth-1 nodes paired by their own q, orthogonal here
+    level = verify(tree, view, CascadeDevRule(pairs="level"), Uniforms(torch.ones(1, 3, 2), torch.zeros(1)))
+    assert float(level.accept_prob[0, 0, 0]) == pytest.approx(0.2)

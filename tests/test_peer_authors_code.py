@@ -1,4 +1,5 @@
-"""GSD and GSD-blocks against transcriptions of their authors' acceptance tests (`tests/reference_gsd.py`).
+"""GSD, GSD-blocks and cascade-dev against transcriptions of their authors' acceptance tests
+(`tests/reference_gsd.py`, `tests/reference_cascade_dev.py`).
 
 Random verification steps, the uniforms shared: every test's acceptance probability, each decision and the
 distribution the next token is drawn from must be the authors' (1e-6). The hand-worked examples and the closed
@@ -11,12 +12,13 @@ import collections
 
 import pytest
 import torch
+from reference_cascade_dev import evaluate_posterior, tree_order
 from reference_gsd import gsd_blocks_walk, gsd_jacobi_step, squared_distances
-from test_decoder_verify import SMALL_TREE, WIDE_TREE, build_case
+from test_decoder_verify import SMALL_TREE, WIDE_TREE, build_case, inner_view
 
-from inference.rules import GSDBlocksRule, GSDRule
+from inference.rules import CascadeDevRule, GSDBlocksRule, GSDRule
 from inference.sampling import Proposal
-from inference.tree import Tree
+from inference.tree import STATIC_TREES, StaticTreeSpec, Tree
 from inference.tree_drafting import gumbel_topk
 from inference.verify import TargetView, Uniforms, verify
 
@@ -109,3 +111,83 @@ def test_gsd_blocks_decide_as_the_cascade_authors_port_on_random_steps(group):
             torch.testing.assert_close(verdict.final_probs[b].double(), torch.tensor(final).double(), atol=1e-6, rtol=0)
             later_siblings += max(0, len(chances) - 1)
     assert later_siblings > 100  # second and later siblings, where q(C) under q as drafted differs from q_c's
+
+
+def cascade_dev_case(paths, batch: int, vocab: int, sampled: bool, seed: int) -> tuple[Tree, TargetView]:
+    """Random drafted trees of one static shape where every part of the dev rule fires: the drafter's q at the nodes
+    with children (0 at leaves, as static drafting leaves it) drawn around two centres, so that some rows of a level
+    have cosine > 0.5 and others not; targets with a few dominant tokens (the 0.8 nucleus holds a handful) and some
+    zeros; last-layer states of random scale, so that the softmaxed cosine of a parent and its parent falls on
+    both sides of 0.9."""
+    g = torch.Generator().manual_seed(seed)
+    spec = StaticTreeSpec(paths)
+    n = spec.num_nodes
+    parents = torch.tensor(spec.parents).expand(batch, -1)
+    centres = torch.randn(2, vocab, generator=g) * 2.5
+    side = torch.randint(0, 2, (batch, n), generator=g)
+    q_full = (centres[side] + torch.randn(batch, n, vocab, generator=g)).softmax(-1)
+    inner = torch.zeros(n, dtype=torch.bool)
+    inner[[u for u in spec.parents if u >= 0]] = True
+    q_full = q_full * inner[None, :, None]
+    tokens = torch.zeros(batch, n, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for node in range(n):
+        kids = [m for m in range(n) if spec.parents[m] == node]
+        if kids:
+            draws = (
+                gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
+                if sampled
+                else q_full[:, node].topk(len(kids)).indices
+            )
+            tokens[:, kids] = draws
+    logits = torch.randn(batch, n, vocab, generator=g) * 2.5 + centres[side]
+    logits[torch.rand(batch, n, vocab, generator=g) < 0.1] = float("-inf")
+    scale = torch.rand(batch, n, 1, generator=g) * 0.8
+    features = torch.randn(batch, n, 8, generator=g) * scale
+    tree = Tree(
+        tokens, parents, torch.tensor(spec.depths).expand(batch, -1), q_full, sampled, spec.max_depth,
+        spec.max_children, distinct_siblings=True,
+    )  # fmt: skip
+    return tree, TargetView(logits.softmax(-1), logits.argmax(-1), features)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["deterministic", "sampled"])
+def test_cascade_dev_decides_as_the_development_code_on_random_steps(sampled):
+    """The dev commit 8c40c9c's Lumina acceptance test (`reference_cascade_dev.evaluate_posterior`) on 288 random
+    steps a case: naive_extend_57 (the dev runs' tree) and the wide test tree, over the view of every node and the
+    decoder's view of the inner nodes, the uniforms shared. Every test made, its decision, the last accepted node
+    and the distribution the next token is drawn from must be the code's (1e-6); the second test (convergence of
+    parent and grandparent, and the pairs of the next level's drafter rows shifted onto this level) must turn a
+    rejection into an acceptance often."""
+    vocab, steps = 32, 0
+    relaxed: collections.Counter[str] = collections.Counter()
+    rule = CascadeDevRule()
+    for name, paths, batch, seed in (
+        ("naive_extend_57", STATIC_TREES["naive_extend_57"], 96, 0),
+        ("wide", WIDE_TREE, 48, 1),
+    ):
+        spec = StaticTreeSpec(paths)
+        assert tree_order(list(paths)) == spec.order  # our node ids are the code's tree indices
+        tree, view = cascade_dev_case(paths, batch, vocab, sampled, seed + 2 * sampled)
+        uniforms = Uniforms.draw(tree, torch.Generator().manual_seed(seed + 5))
+        for target_view in (view, inner_view(view, paths)):
+            verdict = verify(tree, target_view, rule, uniforms)
+            for b in range(batch):
+                tests, last, final = evaluate_posterior(
+                    list(paths), tree.tokens[b].tolist(), view.probs[b].double().tolist(),
+                    tree.q_full[b].double().tolist(), view.features[b].double().tolist(),
+                    uniforms.accept[b].double().tolist(), sampled,
+                )  # fmt: skip
+                made = torch.nonzero(~verdict.accept_prob[b].isnan()).tolist()  # (depth, slot), test order
+                assert made == [[d, c] for d, c, _, _ in tests], (name, b)
+                decided = [bool(uniforms.accept[b, d, c] < verdict.accept_prob[b, d, c]) for d, c in made]
+                assert decided == [ok for _, _, ok, _ in tests], (name, b)
+                assert int(verdict.last_node[b]) == last
+                torch.testing.assert_close(
+                    verdict.final_probs[b].double(), torch.tensor(final).double(), atol=1e-6, rtol=0
+                )
+                relaxed.update(terms for _, _, ok, terms in tests if ok and terms)
+                steps += 1
+    assert steps >= 200
+    # the second test turns rejections into acceptances, through either term and through both
+    assert min(relaxed[k] for k in ("c", "p", "cp")) >= 3, relaxed
