@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.cascade_dev import CascadeDevRule
 from inference.gsd_blocks import GSDBlocksRule
-from inference.peer_rules import CascadeDevRule, GSDRule, LanternRule, scatter_mask
+from inference.peer_rules import GSDRule, LanternRule, scatter_mask
 from inference.rule_inputs import (
     RemovalSlots,
     SlotInputs,
