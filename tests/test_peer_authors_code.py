@@ -1,26 +1,32 @@
-"""GSD, GSD-blocks and cascade-dev against transcriptions of their authors' acceptance tests
-(`tests/reference_gsd.py`, `tests/reference_cascade_dev.py`).
+"""GSD, GSD-blocks, cascade-dev, LANTERN and LANTERN++ against transcriptions of their authors' acceptance tests
+(`tests/reference_gsd.py`, `tests/reference_cascade_dev.py`, `tests/reference_lantern.py`).
 
 Random verification steps, the uniforms shared: every test's acceptance probability, each decision and the
-distribution the next token is drawn from must be the authors' (1e-6). The hand-worked examples and the closed
-forms against the slot loop are in tests/test_decoder_verify.py.
+distribution the next token is drawn from must be the authors' (1e-6; LANTERN's acceptance probabilities to 1e-6 or
+1e-5 of their value, see `lantern_disagreements`). A rule one setting away from LANTERN's must disagree. The
+hand-worked examples and the closed forms against the slot loop are in tests/test_decoder_verify.py.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
+import math
 
 import pytest
 import torch
 from reference_cascade_dev import evaluate_posterior, tree_order
 from reference_gsd import gsd_blocks_walk, gsd_jacobi_step, squared_distances
+from reference_lantern import evaluate_posterior as lantern_posterior
+from reference_lantern import nearest_codes
 from test_decoder_verify import SMALL_TREE, WIDE_TREE, build_case, inner_view
 
-from inference.rules import CascadeDevRule, GSDBlocksRule, GSDRule
+from inference.rules import CascadeDevRule, GSDBlocksRule, GSDRule, LanternRule
 from inference.sampling import Proposal
 from inference.tree import STATIC_TREES, StaticTreeSpec, Tree
 from inference.tree_drafting import gumbel_topk
-from inference.verify import TargetView, Uniforms, verify
+from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
 
 def jacobi_chains(batch: int, vocab: int, length: int, sampled: bool, seed: int) -> tuple[Tree, TargetView]:
@@ -191,3 +197,140 @@ def test_cascade_dev_decides_as_the_development_code_on_random_steps(sampled):
     assert steps >= 200
     # the second test turns rejections into acceptances, through either term and through both
     assert min(relaxed[k] for k in ("c", "p", "cp")) >= 3, relaxed
+
+
+def lantern_case(paths, batch: int, vocab: int, sampled: bool, seed: int) -> tuple[Tree, TargetView]:
+    """Random drafted trees of one static shape: the drafter's q near the target (so that whole paths are accepted
+    too), drafts drawn from q without replacement (sampled) or its top tokens (deterministic, distinct siblings as
+    in a dynamic tree), targets with some zeros (a top-k)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = StaticTreeSpec(paths)
+    n = spec.num_nodes
+    logits = torch.randn(batch, n, vocab, generator=g) * 2
+    q_full = (logits + torch.randn(batch, n, vocab, generator=g)).softmax(-1)
+    tokens = torch.zeros(batch, n, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for node in range(n):
+        kids = [m for m in range(n) if spec.parents[m] == node]
+        if kids:
+            draws = (
+                gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
+                if sampled
+                else q_full[:, node].topk(len(kids)).indices
+            )
+            tokens[:, kids] = draws
+    logits[torch.rand(batch, n, vocab, generator=g) < 0.1] = float("-inf")
+    tree = Tree(
+        tokens, torch.tensor(spec.parents).expand(batch, -1), torch.tensor(spec.depths).expand(batch, -1), q_full,
+        sampled, spec.max_depth, spec.max_children, distinct_siblings=True,
+    )  # fmt: skip
+    return tree, TargetView(logits.softmax(-1), logits.argmax(-1), None)
+
+
+LANTERN_SETTINGS = {
+    "lantern-k6-delta0.1": (6, 0.1),  # LANTERN's default delta, k within the test vocabulary
+    "lantern++-k10-lam3": (10, 3.0),  # the CASCADE authors' LANTERN++ baseline
+    "lantern++-k5-lam10": (5, 10.0),  # one of jadohu/LANTERN run.sh's LANTERN++ runs
+}
+"""(k, the authors' `lantern_delta`: above 1 it is LANTERN++'s lambda)."""
+
+LANTERN_CASES = (("naive_extend_57", STATIC_TREES["naive_extend_57"], 128, 0), ("wide", WIDE_TREE, 96, 1))
+"""LANTERN++'s tree and the wide test tree: 224 steps a case, each over the view of every node and the decoder's
+view of the inner nodes."""
+
+
+def lantern_disagreements(
+    rule: LanternRule, k: int, delta: float, sampled: bool, zeroes: str, seed: int, counts: collections.Counter
+) -> list[str]:
+    """`rule` against `reference_lantern.evaluate_posterior` with (k, delta, zeroes) on `LANTERN_CASES`, the uniforms
+    shared: each step where a test made, its acceptance probability, its decision, the last accepted node or the
+    distribution the next token is drawn from (1e-6) differs, described. The acceptance probabilities agree to 1e-6
+    or 1e-5 of their value: a sampled draw's q over what the earlier draws left, 1 - sum(q), is taken in float32 by
+    `verify` (as by the authors' code) and in float64 here, and a leftover of a few percent scales its rounding
+    (about 2e-6 seen). `counts` gathers what the steps did."""
+    vocab, bad = 32, []
+    codebook = torch.randn(vocab, 4, generator=torch.Generator().manual_seed(seed))
+    nearest = nearest_codes(codebook.double().tolist())
+    assert build_latent_neighbours(codebook, vocab - 1).tolist() == nearest  # the authors' table
+    for name, paths, batch, case_seed in LANTERN_CASES:
+        tree, view = lantern_case(paths, batch, vocab, sampled, seed + case_seed)
+        uniforms = Uniforms.draw(tree, torch.Generator().manual_seed(seed + case_seed + 5))
+        used = dataclasses.replace(rule, neighbours=build_latent_neighbours(codebook, rule.neighbours.shape[1]))
+        for view_name, target_view in (("all", view), ("inner", inner_view(view, paths))):
+            verdict = verify(tree, target_view, used, uniforms)
+            for b in range(batch):
+                tests, last, final = lantern_posterior(
+                    list(paths), tree.tokens[b].tolist(), view.probs[b].double().tolist(),
+                    tree.q_full[b].double().tolist(), uniforms.accept[b].double().tolist(), nearest, k, delta,
+                    sampled, zeroes,
+                )  # fmt: skip
+                where = f"{name} view {view_name} row {b}"
+                made = torch.nonzero(~verdict.accept_prob[b].isnan()).tolist()  # (depth, slot), test order
+                chances = [float(verdict.accept_prob[b, d, c]) for d, c in made]
+                decided = [bool(uniforms.accept[b, d, c] < verdict.accept_prob[b, d, c]) for d, c in made]
+                final_ours = verdict.final_probs[b].double()
+                last_ours, theirs = int(verdict.last_node[b]), [t[2] for t in tests]
+                if made != [[d, c] for d, c, *_ in tests]:
+                    bad.append(f"{where}: tests {made} vs the authors' {[(d, c) for d, c, *_ in tests]}")
+                elif not all(map(functools.partial(math.isclose, rel_tol=1e-5, abs_tol=1e-6), chances, theirs)):
+                    bad.append(f"{where}: acceptance {chances} vs the authors' {theirs}")
+                elif decided != [t[3] for t in tests] or last_ours != last:
+                    bad.append(f"{where}: decisions {decided}, last node {last_ours} vs the authors' {tests}, {last}")
+                elif (final_ours - torch.tensor(final).double()).abs().max() > 1e-6:
+                    bad.append(f"{where}: next-token distribution {final_ours.tolist()} vs the authors' {final}")
+                if view_name == "all":
+                    counts["steps"] += 1
+                    counts["ends in a residual"] += bool(tests) and not tests[-1][3]  # the last test rejected
+                    for d, c, _, ok, pooled, plain in tests:
+                        counts[("accepted" if ok else "rejected") + (" after pooling" if pooled else "")] += 1
+                        counts["accepted by the pooling"] += ok and float(uniforms.accept[b, d, c]) >= plain
+    return bad
+
+
+@pytest.mark.parametrize("setting", list(LANTERN_SETTINGS))
+@pytest.mark.parametrize(
+    "mode", ["deterministic", "sampled-lumina", "sampled-llamagen"], ids=["deterministic", "lumina-p", "llamagen-q"]
+)
+def test_lantern_decides_as_the_lantern_authors_code_on_random_steps(setting, mode):
+    """jadohu/LANTERN 3a56e45's acceptance test (`reference_lantern.evaluate_posterior`) on 224 random steps a case,
+    LANTERN and LANTERN++ with the published settings: deterministic drafts (the dynamic tree's path, the same in
+    every file), and sampled drafts on static trees as the Lumina-mGPT file does them (p zeroed at x's k + 1 nearest
+    codes, `static_zeroes="p"`) and as the LlamaGen file does them (q zeroed there, `static_zeroes="q"`). Every
+    test made, its acceptance probability, its decision, the last accepted node and the next token's distribution
+    must be the authors'; the pooling must decide tests both ways and be followed by rejections (the zeroing)."""
+    k, delta = LANTERN_SETTINGS[setting]
+    sampled, zeroes = mode != "deterministic", "q" if mode == "sampled-llamagen" else "p"
+    lam = delta if delta > 1 else None
+    rule = LanternRule(
+        neighbours=torch.zeros(32, k + 1, dtype=torch.long), k=k, delta=0.1 if lam else delta, lam=lam,
+        static_zeroes=zeroes,
+    )  # fmt: skip
+    counts: collections.Counter[str] = collections.Counter()
+    bad = lantern_disagreements(rule, k, delta, sampled, zeroes, 3, counts)
+    assert not bad, f"{len(bad)} disagreements, the first: {bad[:3]}"
+    assert counts["steps"] >= 200
+    # the pooled mass turns rejections into acceptances, and rejections after pooling zero the k + 1 nearest codes
+    assert min(counts["accepted by the pooling"], counts["rejected after pooling"]) >= 20, counts
+    assert min(counts["ends in a residual"], counts["steps"] - counts["ends in a residual"]) >= 10, counts
+
+
+@pytest.mark.parametrize(
+    ("ours", "authors"),
+    [
+        (dict(k=10, lam=3.0, static_zeroes="q"), (10, 3.0, True, "p")),  # the LlamaGen file's zeroing, Lumina's asked
+        (dict(k=10, lam=3.0, static_zeroes="p"), (10, 3.0, True, "q")),  # and the other way round
+        (dict(k=10, lam=3.0, static_zeroes="p"), (10, 5.0, True, "p")),  # lambda 3 against the authors' 5
+        (dict(k=5, lam=10.0), (5, 20.0, False, "p")),  # lambda 10 against 20, deterministic drafts
+        (dict(k=6, delta=0.1), (6, 0.2, False, "p")),  # LANTERN's delta 0.1 against 0.2
+        (dict(k=6, delta=0.1, reject_zeroes="pooled"), (6, 0.1, False, "p")),  # zeroing only the pooled codes
+        (dict(k=5, lam=3.0), (10, 3.0, False, "p")),  # k 5 against 10
+    ],
+    ids=["zeroes-q-vs-p", "zeroes-p-vs-q", "lam-3-vs-5", "lam-10-vs-20", "delta-0.1-vs-0.2", "pooled-vs-code", "k"],
+)
+def test_the_lantern_comparison_fails_for_a_wrong_setting(ours, authors):
+    """The comparison above can fail: a rule one setting away from the authors' (the other file's zeroing, another
+    lambda, delta or k, zeroing only the pooled codes) disagrees with their code on some of the same steps."""
+    k, delta, sampled, zeroes = authors
+    rule = LanternRule(neighbours=torch.zeros(32, max(k, ours["k"]) + 1, dtype=torch.long), **ours)
+    bad = lantern_disagreements(rule, k, delta, sampled, zeroes, 3, collections.Counter())
+    assert len(bad) >= 4, bad
