@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from training.online_features import fill_online_features
 from training.vocab import build_vocab_map
 
 SCHEDULES = ("cosine", "linear", "constant")
+
+# Lightning warns whenever a LightningModule overrides on_after_batch_transfer and a DataModule is passed, even
+# when the DataModule leaves the hook alone (ours do): the module's hook is the one that runs, as intended here.
+warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_transfer` in `LightningModule`")
 
 
 @dataclass(kw_only=True)
