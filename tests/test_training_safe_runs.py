@@ -21,7 +21,6 @@ import torch
 from test_training_fit import ENV, REPO, tiny_dataset, tiny_run_config, write_yaml  # noqa: F401 (fixture)
 
 from data.drafter_data import DrafterDataModule
-from data.errors import DatasetError
 from training.fit import ExportDrafter, main
 from training.run_folder import RunFolderError, clear_run, plan_run
 from training.system import DrafterSystem
@@ -232,9 +231,10 @@ def test_a_damaged_shard_stops_fit_naming_shard_key_and_field_and_nothing_is_exp
         field, change = "tokens", lambda arrays, meta: arrays["tokens"].__setitem__(1, 10**4)
     rewrite_shard(shards, 1, edit_sample(key, change))
     config = tiny_run_config(tmp_path, shards)
-    with pytest.raises(DatasetError) as error:  # training stops at the sample, before any export
-        main(["--config", str(config), "--validate_before", "false", "--data.num_val_shards", "0"])
-    assert f"{info.name}: sample {key}, field '{field}'" in str(error.value)
+    capsys.readouterr()
+    # training stops at the sample, before any export: exit code 2 and the data layer's message
+    assert main(["--config", str(config), "--validate_before", "false", "--data.num_val_shards", "0"]) == 2
+    assert f"{info.name}: sample {key}, field '{field}'" in capsys.readouterr().err
     assert not any((tmp_path / "runs").rglob("model.safetensors"))
     from data.extract import main as extract_main
 
