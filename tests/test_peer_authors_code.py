@@ -29,6 +29,24 @@ from inference.tree_drafting import gumbel_topk
 from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
 
+def draw_tree_tokens(spec: StaticTreeSpec, q_full: torch.Tensor, sampled: bool, g: torch.Generator) -> torch.Tensor:
+    """(B, N) node tokens: a random root, then each node's children drawn from its q without replacement (sampled)
+    or its top tokens (deterministic), in child order."""
+    batch, n, vocab = q_full.shape
+    tokens = torch.zeros(batch, n, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for node in range(n):
+        kids = [m for m in range(n) if spec.parents[m] == node]
+        if kids:
+            draws = (
+                gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
+                if sampled
+                else q_full[:, node].topk(len(kids)).indices
+            )
+            tokens[:, kids] = draws
+    return tokens
+
+
 def jacobi_chains(batch: int, vocab: int, length: int, sampled: bool, seed: int) -> tuple[Tree, TargetView]:
     """Chains of `length` drafts (one child a node, as speculative Jacobi decoding drafts one token a position):
     sampled from the drafter's q, or its top token (deterministic); q is the target's logits plus noise, so that
@@ -135,17 +153,7 @@ def cascade_dev_case(paths, batch: int, vocab: int, sampled: bool, seed: int) ->
     inner = torch.zeros(n, dtype=torch.bool)
     inner[[u for u in spec.parents if u >= 0]] = True
     q_full = q_full * inner[None, :, None]
-    tokens = torch.zeros(batch, n, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-    for node in range(n):
-        kids = [m for m in range(n) if spec.parents[m] == node]
-        if kids:
-            draws = (
-                gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
-                if sampled
-                else q_full[:, node].topk(len(kids)).indices
-            )
-            tokens[:, kids] = draws
+    tokens = draw_tree_tokens(spec, q_full, sampled, g)  # (B, N)
     logits = torch.randn(batch, n, vocab, generator=g) * 2.5 + centres[side]
     logits[torch.rand(batch, n, vocab, generator=g) < 0.1] = float("-inf")
     scale = torch.rand(batch, n, 1, generator=g) * 0.8
@@ -208,17 +216,7 @@ def lantern_case(paths, batch: int, vocab: int, sampled: bool, seed: int) -> tup
     n = spec.num_nodes
     logits = torch.randn(batch, n, vocab, generator=g) * 2
     q_full = (logits + torch.randn(batch, n, vocab, generator=g)).softmax(-1)
-    tokens = torch.zeros(batch, n, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-    for node in range(n):
-        kids = [m for m in range(n) if spec.parents[m] == node]
-        if kids:
-            draws = (
-                gumbel_topk(Proposal(q_full[:, node]), len(kids), g)
-                if sampled
-                else q_full[:, node].topk(len(kids)).indices
-            )
-            tokens[:, kids] = draws
+    tokens = draw_tree_tokens(spec, q_full, sampled, g)  # (B, N)
     logits[torch.rand(batch, n, vocab, generator=g) < 0.1] = float("-inf")
     tree = Tree(
         tokens, torch.tensor(spec.parents).expand(batch, -1), torch.tensor(spec.depths).expand(batch, -1), q_full,
