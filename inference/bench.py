@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     parser.add_argument("--sweep", action="store_true", help="decode a grid of rule settings (see SWEEP_GRID)")
     parser.add_argument("--sweep-grid", type=Path, help="JSON grid [{series, rule, options}] instead of SWEEP_GRID")
-    parser.add_argument("--markdown", type=Path, help="also write the table as markdown (the README's tables)")
+    parser.add_argument("--markdown", type=Path, help="also write the table as markdown (as in docs/results.md)")
     parser.add_argument("--count-ops", action="store_true",
                         help="count aten ops and host syncs per speculative step, per phase, for every rule and "
                         "tree kind (--tree: only that one); decodes --num-prompts prompts")  # fmt: skip

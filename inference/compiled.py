@@ -13,7 +13,7 @@ one (tested on the toy).
 
 On the 2-core CPU machine it speeds up the target's pass (AR 1.55x) and verification (2.3x) but
 slows the drafter step, whose eager form is only 57 ops (inductor's guards and graph calls cost more),
-so a compiled speculative decode gains less over compiled AR than an eager one over eager AR (README).
+so a compiled speculative decode gains less over compiled AR than an eager one over eager AR (docs/decoding.md).
 Eager is the default; `--compile` is meant for GPUs, where every eager op is a kernel launch.
 """
 

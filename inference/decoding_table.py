@@ -1,4 +1,4 @@
-"""The README's decoding table and tau-vs-quality plot, from one command, on every tree kind.
+"""The decoding table (docs/results.md) and tau-vs-quality plot, from one command, on every tree kind.
 
     python -m inference.decoding_table --target toy --drafter runs/demo/version_0/drafter \\
         --grid configs/decoding_table.json --trees static,dynamic --num-prompts 256 \\

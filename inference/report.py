@@ -1,4 +1,4 @@
-"""Reporting of `inference.bench` runs: the text table, the README's markdown table and the Pareto plot.
+"""Reporting of `inference.bench` runs: the text table, the markdown table of docs/results.md and the Pareto plot.
 
     print(format_table(records))
     Path("table.md").write_text(format_markdown(records, command, summary))
@@ -67,7 +67,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def format_markdown(records: Sequence[dict[str, Any]], command: Sequence[str], summary: dict[str, Any]) -> str:
-    """The records as the README's decoding table: the command that made it, the seeds, each rule's settings."""
+    """The records as the decoding table of docs/results.md: the command that made it, the seeds, each rule's settings."""
     lines = [
         "```bash",
         " ".join(command),

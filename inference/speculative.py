@@ -64,7 +64,7 @@ class DecoderConfig:
 
     tree: str = "static"
     """"static" (EAGLE-1 list, drafts sampled from q; the default: on the toy target it accepts 2.5x the
-    tokens per target forward of "dynamic" and is the fastest, README), "dynamic" (EAGLE-2, deterministic
+    tokens per target forward of "dynamic" and is the fastest, docs/results.md), "dynamic" (EAGLE-2, deterministic
     top-k drafts) or "dynamic-sampled" (EAGLE-2 expansion, children drawn from q:
     `draft_sampled_dynamic_tree`)."""
     static_tree: str | tuple[tuple[int, ...], ...] | None = None
@@ -73,7 +73,7 @@ class DecoderConfig:
     `default_static_tree`, which `for_target` fills in. The real targets default to EAGLE's 25-draft
     `mc_sim_7b_63`; the toy target to `toy_demo_fit_8`, fitted to the demo drafter and timed on a 2-core CPU,
     where it decodes 1.13x (report captions) to 1.27x (tune captions) faster than `mc_sim_7b_63` at about
-    the same tau (README, "Fitting the static tree")."""
+    the same tau (docs/decoding.md, "Fitting the static tree")."""
     top_k: int = 10
     """Dynamic tree: children per expanded node and frontier width."""
     depth: int = 5

@@ -30,7 +30,7 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
 # The toy target's default: 8 drafts, depth 7, fitted to the demo drafter by `python -m inference.tree_fit
 # --target toy --drafter runs/demo/version_0/drafter --num-prompts 256 --prompt-seed 11` (its "drafts8") and
 # picked on the same tune captions as the fastest of the fitted trees on this project's 2-core CPU, with the
-# 6-draft chain (README, "Fitting the static tree"): a chain of first draws and the root's second draw.
+# 6-draft chain (docs/decoding.md, "Fitting the static tree"): a chain of first draws and the root's second draw.
 TOY_DEMO_FIT_8: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0),
 )  # fmt: skip

@@ -14,7 +14,7 @@ it closed under parents and earlier siblings (`fit_static_tree`: exact when freq
 its children and later siblings, as measured ones do; a greedy choice otherwise).
 
 Which N is fastest depends on the hardware: a node costs tree-forward arithmetic, a level costs a drafter call.
-Time the written trees side by side with `python -m inference.bench --static-tree FILE.json` (README,
+Time the written trees side by side with `python -m inference.bench --static-tree FILE.json` (docs/decoding.md,
 "Fitting the static tree").
 
 Shapes: none here beyond the decoder's; paths are tuples of child indices, (c1, c2) the c2-th draw of the

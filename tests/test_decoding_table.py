@@ -1,4 +1,4 @@
-"""`python -m inference.decoding_table`: one command, every tree kind, the README's table and plot."""
+"""`python -m inference.decoding_table`: one command, every tree kind, the table and plot of docs/results.md."""
 
 from __future__ import annotations
 
