@@ -67,7 +67,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def format_markdown(records: Sequence[dict[str, Any]], command: Sequence[str], summary: dict[str, Any]) -> str:
-    """The records as the decoding table of docs/results.md: the command that made it, the seeds, each rule's settings."""
+    """The records as the decoding table (docs/results.md): the command, the seeds, each rule's settings."""
     lines = [
         "```bash",
         " ".join(command),
