@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from data.errors import ShardError
 from data.manifest import MANIFEST_NAME, Manifest, load_manifest
 from data.shard_reader import REEXTRACT, iter_raw_samples
+from data.shards import write_atomic
 
 STAMP_NAME = ".verified.json"
 CHUNK = 1 << 22  # 4 MiB reads
@@ -171,17 +171,9 @@ def verify_shards(folder: str | Path, manifest: Manifest, fallback_dir: str | Pa
             entries[info.name] = {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
     report.seconds = time.perf_counter() - start
     if stamp is not None and report.hashed:
-        _write_stamp(stamp, {"manifest_sha256": digest, "shards": entries})
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(stamp, json.dumps({"manifest_sha256": digest, "shards": entries}, indent=1))
     return report
-
-
-def _write_stamp(path: Path, values: dict) -> None:
-    """Write atomically (a unique temporary name in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        json.dump(values, file, indent=1)
-    os.replace(temporary, path)
 
 
 def main(argv: list[str] | None = None) -> int:

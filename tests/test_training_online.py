@@ -34,7 +34,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from test_targets_end_to_end import FAMILIES
 
 from data.data_config import DataConfig
@@ -46,6 +45,7 @@ from data.prompts import PromptSetConfig
 from data.shards import ManifestError, load_manifest
 from models import registry
 from models.registry import shared_target
+from training.bench import StepTimer
 from training.objective import ObjectiveConfig
 from training.online_features import fill_online_features
 from training.system import DrafterSystem, OptimizerConfig
@@ -138,14 +138,6 @@ def test_online_streams_equal_the_stored_ones_and_shifted_tokens_do_not(family, 
             assert stream_excess(offline_batch[stream], wrong[stream], mask) > 0, f"{name} {stream}: shift unseen"
 
 
-class LossRecorder(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def fit_losses(name: str, target: Any, folder: Path, features: str) -> list[float]:
     drafter = {"hidden_size": target.hidden_size, "target_hidden_size": target.hidden_size,
                "vocab_size": target.image_vocab_size, "num_heads": 2, "num_kv_heads": 2,
@@ -154,12 +146,13 @@ def fit_losses(name: str, target: Any, folder: Path, features: str) -> list[floa
                            objective=ObjectiveConfig(ttt_steps=2, cfg_loss_weight=1.0),
                            optimizer=OptimizerConfig(lr=3e-3))  # fmt: skip
     data = DrafterDataModule(train_dir=str(folder), batch_size=4, target=name, load_uncond=True, features=features)
-    recorder = LossRecorder()
+    losses: list[float] = []
+    recorder = StepTimer(losses)  # records every step's loss
     trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[recorder])  # fmt: skip
     trainer.fit(system, datamodule=data)
-    return recorder.losses
+    return losses
 
 
 def test_training_steps_give_equal_losses_offline_and_online(family) -> None:

@@ -33,26 +33,13 @@ from typing import Any
 import lightning as L
 import torch
 import yaml
-from lightning.pytorch.callbacks import Callback
 
 from data.drafter_data import DrafterDataModule, resolve_config_path
 from data.extract import load_config, run_extraction
 from models.registry import shared_target
+from training.bench import StepTimer
 from training.objective import ObjectiveConfig
 from training.system import DrafterSystem, OptimizerConfig
-
-
-class LoopPeriods(Callback):
-    """Seconds between consecutive on_train_batch_start calls."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.perf_counter())
-
-    def periods(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
 
 
 def extract_seconds(count: int, features: str, folder: Path) -> tuple[float, int]:
@@ -74,12 +61,12 @@ def fit_periods(folder: Path, features: str, steps: int, demo: dict[str, Any]) -
     datamodule = DrafterDataModule(train_dir=str(folder), batch_size=data["batch_size"], target="toy",
                                    load_aux=data["load_aux"], load_uncond=data["load_uncond"],
                                    features=features)  # fmt: skip
-    timer = LoopPeriods()
+    timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=demo["trainer"]["gradient_clip_val"], callbacks=[timer])  # fmt: skip
     trainer.fit(system, datamodule=datamodule)
-    return timer.periods()
+    return timer.periods  # one on_train_batch_start to the next
 
 
 def main(argv: list[str] | None = None) -> int:
