@@ -66,7 +66,7 @@ from tqdm import tqdm
 from inference.autoregressive import generate_ar
 from inference.compiled import add_compile_argument, compile_decoding
 from inference.cost import run_count_ops
-from inference.files import write_atomic, write_json
+from inference.files import provenance, write_atomic, write_json
 from inference.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -403,6 +403,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "device": str(target.device),
         "threads": torch.get_num_threads(),
         "seconds": elapsed,
+        "provenance": provenance(),
         "tau_definition": TAU_DEFINITION,
         "fid_note": FID_NOTE,
         "timing_note": TIMING_NOTE,

@@ -176,7 +176,7 @@ def run_count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, m
               config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
     """`inference.bench --count-ops`: aten ops and host syncs per speculative step, per phase, for every rule
     (`methods`, bench's parsed methods, and their built `rules`) x tree kind (or only `--tree`)."""
-    from inference.files import write_json
+    from inference.files import provenance, write_json
 
     if drafter is None:
         raise SystemExit("--count-ops needs --drafter")
@@ -187,6 +187,7 @@ def run_count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, m
     rows = count_decode_ops(target, drafter, speculative_rules, trees, prompts, settings, args.seed)
     print(format_op_table(rows))
     if args.out:
-        write_json({"command": ["python", "-m", "inference.bench", *sys.argv[1:]], "rows": rows}, args.out)
+        command = ["python", "-m", "inference.bench", *sys.argv[1:]]
+        write_json({"command": command, "provenance": provenance(), "rows": rows}, args.out)
         print(f"wrote {args.out}")
     return rows

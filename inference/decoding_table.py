@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from inference.bench import build_rules, run_methods, summarise
-from inference.files import write_atomic, write_json
+from inference.files import provenance, write_atomic, write_json
 from inference.methods import load_grid, parse_methods, sweep_methods
 from inference.report import Quality, format_markdown, plot_sweep
 from inference.speculative import TREE_KINDS, DecoderConfig
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
              f"tuned on seed {args.tuned_on}), trees {', '.join(trees)}")  # fmt: skip
     plot_sweep(ar_first, plot, title)
     write_atomic(args.out / "table.md", "\n".join(sections))
-    write_json({"command": command, "prompt_seed": args.prompt_seed, "tuned_on": args.tuned_on,
+    write_json({"command": command, "provenance": provenance(), "drafter": str(args.drafter),
+                "prompt_seed": args.prompt_seed, "tuned_on": args.tuned_on,
                 "trees": summaries, "records": records}, args.out / "table.json")  # fmt: skip
     print(f"wrote {args.out / 'table.md'}, {args.out / 'table.json'} and {plot}")
     return records

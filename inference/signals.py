@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.files import write_atomic, write_json
+from inference.files import provenance, write_atomic, write_json
 from inference.rules import ExactRule
 from inference.sampling import processed_distribution
 from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records = study.summary()
     command = ["python", "-m", "inference.signals", *(argv if argv is not None else sys.argv[1:])]
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json({"command": command, "settings": study.settings, "records": records}, args.out / "signals.json")
+    payload = {"command": command, "provenance": provenance(), "settings": study.settings, "records": records}
+    write_json(payload, args.out / "signals.json")
     seeds = f"{len(prompts)} captions (seed {args.prompt_seed}), sampling seed {args.seed}."
     header = f"```bash\n{' '.join(command)}\n```\n\n{seeds}\n\n"
     write_atomic(args.out / "table.md", header + format_table(records))
