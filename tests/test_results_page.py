@@ -1,0 +1,99 @@
+"""docs/results.md is what `python -m inference.results` renders, and every table on it names its command."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from inference.results import PAGE, RESULTS, render_page
+
+PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [^,]+, commit [0-9a-f]{7}")
+
+
+def tables_without_provenance(page: str) -> list[str]:
+    """The first line of every Markdown table that has no ```bash command block with a `python` line, or no
+    date/machine/commit line, between it and the previous table or heading."""
+    problems, context, in_table, in_code = [], [], False, False
+    for line in page.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            context.append(line)
+            continue
+        if line.startswith("|") and not in_code:
+            if not in_table:
+                commands = [c for c in context if c.startswith(("python ", "torchrun "))]
+                if not commands or not any(PROVENANCE.search(c) for c in context):
+                    problems.append(line)
+            in_table = True
+            continue
+        if in_table or line.startswith("#"):
+            context = []
+        in_table = False
+        context.append(line)
+    return problems
+
+
+def test_the_checker_finds_a_table_without_its_command():
+    page = (
+        "## A\n\n```bash\npython -m inference.bench --rules exact\n```\n\n"
+        "2026-12-07, 2 CPU cores, no GPU, torch 2.13.0, commit abcdef1.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "| c |\n|---|\n| 3 |\n\n## B\n\n| d |\n|---|\n"
+    )
+    assert tables_without_provenance(page) == ["| c |", "| d |"]
+
+
+def test_every_table_of_the_results_page_names_its_command_date_and_machine():
+    page = PAGE.read_text(encoding="utf-8")
+    assert page.count("\n|---") >= 3, "the results page has no tables to check"
+    assert tables_without_provenance(page) == []
+
+
+def test_the_results_page_is_what_its_sources_render():
+    assert PAGE.read_text(encoding="utf-8") == render_page(RESULTS), "run python -m inference.results"
+
+
+def _decoding_table(taus: dict[str, float], drafter: str) -> dict:
+    records = [
+        {"rule": rule, "series": f"{rule} (static)" if rule != "ar" else "ar", "label": rule, "tree": "static",
+         "settings": {}, "tau": tau, "target_forwards_per_image": 36 / tau, "seconds_per_image": 0.1,
+         "speedup_vs_ar": 1.0, "fidelity": 0.95, "fidelity_se": 0.01, "fid_vs_ar": 50.0}
+        for rule, tau in {"ar": 1.0, **taus}.items()
+    ]  # fmt: skip
+    summary = {"tree": {"tree": "static"}, "num_prompts": 4, "prompt_source": "toy heldout, seed 2026", "seed": 0,
+               "threads": 2, "seconds": 3.0}  # fmt: skip
+    provenance = {"date": "2026-12-07", "machine": "2 CPU cores, no GPU", "torch": "2.13.0", "commit": "abcdef1"}
+    command = ["python", "-m", "inference.decoding_table", "--drafter", drafter]
+    return {"command": command, "provenance": provenance, "trees": [summary], "records": records}
+
+
+def test_drafter_rows_and_arm_means_come_from_their_sources(tmp_path):
+    sources = []
+    for name, arm, exact, cascade in [("a0", "w2", 3.0, 3.3), ("a1", "w2", 3.2, 3.4), ("b0", "w1", 2.0, 2.1)]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(_decoding_table({"exact": exact, "cascade": cascade}, name)))
+        sources.append({"label": name, "file": f"{name}.json", "arm": arm})
+    page = [{"title": "Drafters", "kind": "drafters", "sources": sources}]
+    (tmp_path / "page.json").write_text(json.dumps(page))
+    rendered = render_page(tmp_path)
+    assert "| a0 | 3.00 | 3.30 (1.100) |" in rendered
+    # each arm's mean and max - min over its seeds
+    assert (
+        "- arm w2 (2 seeds, rows above): τ exact mean 3.100, seed spread 0.200; τ cascade mean 3.350, seed "
+        "spread 0.100" in rendered
+    )
+    assert "- arm w1 (1 seeds, rows above): τ exact mean 2.000, seed spread 0.000" in rendered
+    assert tables_without_provenance(rendered) == []
+
+
+def test_a_source_without_provenance_or_command_is_refused(tmp_path):
+    payload = _decoding_table({"exact": 3.0}, "d")
+    del payload["provenance"]
+    (tmp_path / "d.json").write_text(json.dumps(payload))
+    (tmp_path / "page.json").write_text(json.dumps([{"title": "T", "kind": "decoding_table", "file": "d.json"}]))
+    with pytest.raises(ValueError, match="provenance"):
+        render_page(tmp_path)
+    del payload["command"]
+    (tmp_path / "d.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="command"):
+        render_page(tmp_path)
