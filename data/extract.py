@@ -66,7 +66,7 @@ from data.shards import (
     write_atomic,
 )
 from data.validate import validate_dataset
-from inference.autoregressive import generate_ar
+from inference.decoding.autoregressive import generate_ar
 from models.registry import load_target
 from models.target import ImageTarget, SamplingDefaults, teacher_forced_states
 

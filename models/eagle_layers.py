@@ -7,17 +7,13 @@ Shapes: R rows, T new elements, S cache columns, H heads, Dh head width, D hidde
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.drafter_config import DrafterConfig
 from models.kv_cache import KVCache
 from models.llamagen import RMSNorm
-
-if TYPE_CHECKING:
-    from models.eagle import DrafterConfig
 
 # ----------------------------------------------------------------------------- layers
 

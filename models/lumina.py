@@ -38,8 +38,8 @@ names it, for a decoder that wants to emit the full Chameleon span (`chameleon_i
 Layout rule (upstream `MultiModalLogitsProcessor`): `layout_mask(token_index)` gives, per image
 token index, the allowed V entries (codes only at code slots, only end-of-line at row ends, only
 end-of-image at index G); `apply_layout` turns it into -inf logits. `forward` returns the raw image
-logits of all V entries; the decoders (`inference/generate.py`, `inference/speculative.py`,
-`inference/drafter.py`) apply the rule through `constrain_logits` after CFG and before
+logits of all V entries; the decoders (`inference/decoding/generate.py`, `inference/decoding/speculative.py`,
+`inference/decoding/drafter.py`) apply the rule through `constrain_logits` after CFG and before
 temperature/top-k, upstream's order (CFG -> layout mask -> top-k 2000), to target and drafter logits.
 
 Prefix and CFG (upstream `LLMImageStartTriggeredUnbatchedClassifierFreeGuidanceLogitsProcessor`):

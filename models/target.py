@@ -18,7 +18,7 @@ vocabulary:
 - `constrain_logits(logits, token_index)` forbids tokens the image layout rules out at an index
   (-inf logits), applied by every decoder after CFG; by default it constrains nothing;
 - `latent_table()` and `lm_embedding_table()` are the two tables the peers' rules measure token
-  proximity on (`inference.generate.build_rule`): the image tokenizer's VQ codebook, LANTERN's latent
+  proximity on (`inference.decoding.generate.build_rule`): the image tokenizer's VQ codebook, LANTERN's latent
   proximity, and the LM's input embeddings of the image tokens, GSD's distance.
 
 Shapes: B prompts, R rows (2B with CFG, else B), T new tokens, C prefix length, D hidden size,
@@ -124,7 +124,7 @@ class ImageTarget(ABC):
     sampling: SamplingDefaults
     geometry: ImageGeometry
     default_static_tree: str = "mc_sim_7b_63"
-    """The static draft tree the tree decoder uses unless told otherwise (`inference.tree.STATIC_TREES`)."""
+    """The static draft tree the tree decoder uses unless told otherwise (`inference.decoding.tree.STATIC_TREES`)."""
 
     @property
     @abstractmethod

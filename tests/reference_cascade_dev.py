@@ -13,7 +13,7 @@ the chance exactly); `random.random()` per test is the shared uniform of the tes
 image-syntax tokens (accepted outright) and non-image tokens (rejected outright), since every token here is an
 image token; the all-zero residual's fallback is uniform over the vocabulary here (over the LM vocabulary there);
 the unused KL term. The nodes are given in tree index order (root first, then the paths sorted by length, then
-lexicographically), which is `inference.tree.StaticTreeSpec`'s node order.
+lexicographically), which is `inference.decoding.tree.StaticTreeSpec`'s node order.
 """
 
 from __future__ import annotations

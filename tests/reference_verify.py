@@ -1,7 +1,7 @@
 """Textbook tree verification, one row and one node at a time, in plain Python floats (tests only).
 
 Written from the algorithm's description (recursive rejection sampling along the tree; cascade.md
-§2.4, §4 and §5), not from `inference.verify`, with which it shares no code: lists instead of
+§2.4, §4 and §5), not from `inference.decoding.verify`, with which it shares no code: lists instead of
 tensors, the walk followed literally, the budget spent test by test. The tests compare it with the
 vectorised `verify` on the same uniforms and use its exact acceptance probabilities to enumerate
 output distributions.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.decoding.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
 
 
 @dataclass
@@ -278,7 +278,7 @@ def reference_verify(row: RowTree, rule, accept_uniforms, bonus_uniform: float |
 
 
 def sample_from(p: list[float], uniform: float) -> int:
-    """Inverse CDF, as `inference.verify.sample_inverse_cdf` (right-continuous)."""
+    """Inverse CDF, as `inference.decoding.verify.sample_inverse_cdf` (right-continuous)."""
     total = sum(p)
     target, cumulative = uniform * total, 0.0
     for y, v in enumerate(p):

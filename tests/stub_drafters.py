@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference.drafter import DraftOutput
+from inference.decoding.drafter import DraftOutput
 from models.kv_cache import KVCache
 from models.target import Conditioning, ImageTarget, TargetOutput
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_target_lumina import GRID, PROMPTS, build_tiny_lumina
 
-from inference.autoregressive import generate_ar
+from inference.decoding.autoregressive import generate_ar
 from models import registry
 from models.chameleon_vqgan import (
     ChameleonVQGANConfig,

@@ -24,8 +24,8 @@ from data.prompts import PromptSetConfig, load_prompts
 from data.shard_reader import decode_sample, iter_raw_samples, iter_tar_members
 from data.shards import FieldSpec, ShardError, ShardWriter, decode_npy, encode_npy, load_manifest, write_atomic
 from data.validate import validate_dataset
-from inference.autoregressive import generate_ar
-from inference.sampling import combine_cfg
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.sampling import combine_cfg
 from models.target import Conditioning
 
 

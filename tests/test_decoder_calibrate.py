@@ -7,10 +7,10 @@ import json
 import pytest
 from test_drafter_models import tiny_drafter
 
-from inference.calibrate import CALIBRATION_FILE, calibrate, load_calibration
-from inference.eagle import EagleDrafter
-from inference.generate import build_rule
-from inference.speculative import DecoderConfig
+from inference.decoding.calibrate import CALIBRATION_FILE, calibrate, load_calibration
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.generate import build_rule
+from inference.decoding.speculative import DecoderConfig
 
 
 def test_calibration_records_quantiles_and_rules_read_them(tiny_target, tmp_path):

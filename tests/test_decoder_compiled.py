@@ -1,4 +1,4 @@
-"""`--compile` (`inference.compiled`): a compiled decode draws the same tokens as an eager one for one seed.
+"""`--compile` (`inference.decoding.compiled`): a compiled decode draws the same tokens as an eager one for one seed.
 
 The toy target and drafter are compiled by inductor on the CPU (about a minute on two cores: the
 prefill, the tree forward, the drafter's context and tree-level calls and verification each compile
@@ -12,10 +12,10 @@ import torch
 from conftest import build_tiny_toy_target
 from test_drafter_models import tiny_drafter
 
-from inference.compiled import compile_decoding
-from inference.eagle import EagleDrafter
-from inference.rules import CascadeRule, ExactRule
-from inference.speculative import DecoderConfig, generate_speculative
+from inference.decoding.compiled import compile_decoding
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.rules import CascadeRule, ExactRule
+from inference.decoding.speculative import DecoderConfig, generate_speculative
 
 PROMPT = "a small red circle at the top left on a plain blue background"
 

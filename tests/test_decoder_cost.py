@@ -1,4 +1,4 @@
-"""What a speculative step costs: host syncs and aten ops per phase, counted with `inference.cost.OpCounter`.
+"""What a speculative step costs: host syncs and aten ops per phase, counted with `inference.measure.cost.OpCounter`.
 
 Budgets that hold today and must not regress: at most one host sync per verification step (the
 step's packed read of the commit width) for every rule and tree kind; a ceiling on the aten ops of
@@ -16,13 +16,13 @@ import pytest
 import torch
 from test_drafter_models import tiny_drafter
 
-from inference.compiled import COMPILED_FLAG, decodes_under_no_grad, decoding_mode
-from inference.cost import OpCounter, count_decode_ops, format_op_table
-from inference.eagle import EagleDrafter
-from inference.generate import build_rule
-from inference.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import build_latent_neighbours
+from inference.decoding.compiled import COMPILED_FLAG, decodes_under_no_grad, decoding_mode
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.generate import build_rule
+from inference.decoding.rules import CascadeDevRule, CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import build_latent_neighbours
+from inference.measure.cost import OpCounter, count_decode_ops, format_op_table
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import load_target
 

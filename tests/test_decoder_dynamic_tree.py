@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from inference.drafter import DraftContext, DraftOutput
-from inference.sampling import proposal_distribution
-from inference.tree_drafting import draft_dynamic_tree
+from inference.decoding.drafter import DraftContext, DraftOutput
+from inference.decoding.sampling import proposal_distribution
+from inference.decoding.tree_drafting import draft_dynamic_tree
 from models.kv_cache import KVCache
 from models.target import SamplingDefaults
 

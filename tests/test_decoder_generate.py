@@ -14,16 +14,16 @@ from conftest import build_tiny_toy_target
 from stub_drafters import FixedLogitsDrafter, OracleDrafter
 from test_drafter_models import tiny_drafter
 
-from inference import speculative, tree_drafting
-from inference.autoregressive import generate_ar
-from inference.drafter import build_draft_attention_mask
-from inference.eagle import EagleDrafter
-from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.sampling import Proposal, proposal_distribution
-from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
-from inference.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, WalkTables, load_static_tree, node_paths
-from inference.tree_drafting import q_over_nodes
-from inference.verify import build_latent_neighbours
+from inference.decoding import speculative, tree_drafting
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.drafter import build_draft_attention_mask
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.decoding.sampling import Proposal, proposal_distribution
+from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.decoding.tree import MC_SIM_7B_63, StaticTreeSpec, Tree, WalkTables, load_static_tree, node_paths
+from inference.decoding.tree_drafting import q_over_nodes
+from inference.decoding.verify import build_latent_neighbours
 from models.kv_cache import KVCache
 from models.toy.target import ToyTarget
 
@@ -307,7 +307,7 @@ def test_decoding_after_a_kv_commit_equals_a_fresh_forward(tiny_target):
     tokens = torch.randint(0, 64, (2, spec.num_nodes), generator=g)
     parents = torch.tensor(spec.parents).expand(2, -1)
     depths = torch.tensor(spec.depths).expand(2, -1)
-    from inference.tree import ancestor_mask
+    from inference.decoding.tree import ancestor_mask
 
     mask = ancestor_mask(parents, spec.max_depth)
     start = cache.length

@@ -22,10 +22,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from inference.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.tree import StaticTreeSpec, Tree
-from inference.tree_drafting import select_sampled_slots
-from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
+from inference.decoding.rules import CascadeRule, ExactRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.decoding.tree import StaticTreeSpec, Tree
+from inference.decoding.tree_drafting import select_sampled_slots
+from inference.decoding.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
 VOCAB = 4
 HORIZON = 4  # three draft levels + the bonus token
@@ -85,7 +85,8 @@ def draws_without_replacement(q: torch.Tensor, count: int):
 
 def static_trees(world: World):
     """(tokens, parents, conditional draw probabilities, probability) of every draw of the static tree STATIC_SHAPE;
-    the trees carry q only: verification derives the draw probabilities (`inference.verify.draw_probabilities`)."""
+    the trees carry q only: verification derives the draw probabilities
+    (`inference.decoding.verify.draw_probabilities`)."""
     spec = StaticTreeSpec(STATIC_SHAPE)
     internal = [n for n in range(spec.num_nodes) if n in spec.parents[1:]]
 

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from inference.sampling import Proposal
-from inference.speculative import DecoderConfig
-from inference.tree import (
+from inference.decoding.sampling import Proposal
+from inference.decoding.speculative import DecoderConfig
+from inference.decoding.tree import (
     MC_SIM_7B_63,
     NAIVE_EXTEND_57,
     STATIC_TREES,
@@ -25,8 +25,8 @@ from inference.tree import (
     select,
     selection,
 )
-from inference.tree_drafting import exponential_race, gumbel_topk, gumbel_topk_with_q, select_dynamic_tree
-from inference.verify import draw_probabilities
+from inference.decoding.tree_drafting import exponential_race, gumbel_topk, gumbel_topk_with_q, select_dynamic_tree
+from inference.decoding.verify import draw_probabilities
 
 
 def random_parents(batch: int, num_nodes: int, seed: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from reference_verify import reference_batch
 
-from inference.gsd_blocks import Ranking, block_slots, walk_blocks
-from inference.peer_rules import (
+from inference.decoding.gsd_blocks import Ranking, block_slots, walk_blocks
+from inference.decoding.peer_rules import (
     LANTERN_DELTA,
     LANTERN_K,
     LANTERN_PP_K,
@@ -23,8 +23,8 @@ from inference.peer_rules import (
     LANTERN_PP_REPO_RUNS,
     lantern_static_zeroes,
 )
-from inference.rule_inputs import packed_slots
-from inference.rules import (
+from inference.decoding.rule_inputs import packed_slots
+from inference.decoding.rules import (
     CascadeDevRule,
     CascadeRule,
     ExactRule,
@@ -34,12 +34,12 @@ from inference.rules import (
     children_mass_above,
     needs_every_node,
 )
-from inference.sampling import Proposal
-from inference.similarity import mass_above
-from inference.speculative import build_target_view
-from inference.tree import StaticTreeSpec, Tree
-from inference.tree_drafting import gumbel_topk
-from inference.verify import (
+from inference.decoding.sampling import Proposal
+from inference.decoding.similarity import mass_above
+from inference.decoding.speculative import build_target_view
+from inference.decoding.tree import StaticTreeSpec, Tree
+from inference.decoding.tree_drafting import gumbel_topk
+from inference.decoding.verify import (
     TargetView,
     Uniforms,
     build_latent_neighbours,

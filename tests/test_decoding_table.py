@@ -10,9 +10,9 @@ import torch
 from conftest import build_tiny_toy_target
 from PIL import Image
 
-from inference.decoding_table import main
-from inference.methods import SWEEP_GRID, load_grid
-from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
+from inference.decoding.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
+from inference.measure.decoding_table import main
+from inference.measure.methods import SWEEP_GRID, load_grid
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 

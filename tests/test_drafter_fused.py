@@ -12,9 +12,9 @@ import torch
 from conftest import build_tiny_toy_target
 from test_drafter_models import close_in_fp32, tiny_drafter
 
-from inference.cost import OpCounter
-from inference.eagle import EagleDrafter
-from inference.sampling import combine_cfg
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.sampling import combine_cfg
+from inference.measure.cost import OpCounter
 from models.eagle_fused import FusedDraftStep
 from models.kv_cache import KVCache
 

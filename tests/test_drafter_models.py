@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
-from inference.autoregressive import generate_ar
-from inference.eagle import EagleDrafter
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import ExactRule
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import ExactRule
 from models.eagle import DrafterConfig, EagleDraftModel, drafter_preset, ttt_attention_mask, vocab_map_from_counts
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]

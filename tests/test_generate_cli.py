@@ -10,8 +10,8 @@ import torch
 from conftest import build_tiny_toy_target
 from PIL import Image
 
-from inference.generate import build_rule, default_lantern_k, main
-from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM
+from inference.decoding.generate import build_rule, default_lantern_k, main
+from inference.decoding.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 from models.toy.world import PATCH_SIZE
@@ -117,7 +117,7 @@ def test_build_rule_gives_lantern_its_published_defaults_by_target_family(tiny_t
 def test_tree_options_must_fit_the_tree_kind():
     from argparse import Namespace
 
-    from inference.generate import decoder_config
+    from inference.decoding.generate import decoder_config
 
     def args(**given):
         base = dict(tree=None, static_tree=None, tree_top_k=None, tree_depth=None, tree_total=None)

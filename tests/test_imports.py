@@ -1,19 +1,24 @@
 """Import boundaries between the project packages, read from the source with `ast` (docs/architecture.md).
 
-Arrows (a package may import itself and what its arrow names, no other project package):
+Arrows (a part may import itself and what its arrow names, no other project part):
 
-    models    -> (nothing)
-    inference -> models
-    data      -> models, inference
-    training  -> models, inference, data
+    models               -> (nothing)
+    inference.decoding   -> models
+    inference.measure    -> inference.decoding, models
+    inference.evaluation -> inference.decoding, models
+    inference            -> inference.*, models    (its top-level modules: `python -m` entry points only)
+    data                 -> models, inference
+    training             -> models, inference, data
 
-Nothing outside `training/` and `tests/` imports `training`. The toy world is one package, `models/toy/`:
+A part is a top-level package, or one of the three subpackages of `inference/`. Nothing outside `training/` and
+`tests/` imports `training`. The toy world is one package, `models/toy/`:
 code outside it imports `models.toy` (its public names), never one of its submodules. `models` and
 `inference` never import the training stack (lightning, deepspeed, webdataset), anywhere in a file:
 module level, inside functions, under `if TYPE_CHECKING:`, or through `importlib.import_module("...")`
 with a literal name. Inference
-users need no training stack, which a test also checks at run time by importing every module. No `inference/`
-module is above 500 lines (the decode-cost issue).
+users need no training stack, which a test also checks at run time by importing every module. No two project
+modules import each other, directly or around a circle (type-only and function-level imports included). No
+`inference/` module is above 500 lines (the decode-cost issue).
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("models", "inference", "data", "training")
+INFERENCE_PARTS = ("decoding", "measure", "evaluation")
+"""The subpackages of `inference/`, each a part of its own for the arrows."""
 ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset({"models"}),
+    "inference.decoding": frozenset({"models", "inference.decoding"}),
+    "inference.measure": frozenset({"models", "inference.decoding", "inference.measure"}),
+    "inference.evaluation": frozenset({"models", "inference.decoding", "inference.evaluation"}),
     "inference": frozenset({"models", "inference"}),
     "data": frozenset({"models", "inference", "data"}),
     "training": frozenset(PACKAGES),
 }
-"""Project packages each package may import (itself included)."""
+"""Parts each part may import (itself included); a package's name allows every part inside it (`inference`:
+its subpackages too). `inference` itself is its top-level modules, the `python -m` entry points."""
 OUTSIDE_ALLOWED = frozenset({"models", "inference", "data"})
 """Project packages a Python file outside the four packages and tests/ may import: all but training."""
 TRAINING_STACK = ("lightning", "pytorch_lightning", "deepspeed", "webdataset")
@@ -51,38 +62,67 @@ def _dynamic_name(call: ast.Call) -> str | None:
     return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
 
 
-def imported_modules(source: str, relative_path: str) -> list[tuple[int, str]]:
-    """(line, top-level module) of every import anywhere in the file, relative imports resolved.
+def part_of(module: str) -> str:
+    """The part a dotted module name belongs to: `inference.decoding.tree` -> `inference.decoding`,
+    `inference.bench` -> `inference`, `models.toy.world` -> `models`, `torch.nn` -> `torch`."""
+    parts = module.split(".")
+    if parts[0] == "inference" and len(parts) > 1 and parts[1] in INFERENCE_PARTS:
+        return f"inference.{parts[1]}"
+    return parts[0]
 
-    `relative_path` is the file's path from the repository root (`inference/bench.py`); it places
-    relative imports, which never leave the file's own top-level package (`from ..x import y` in
-    `models/sub/a.py` is `models`).
+
+def module_name(relative_path: str) -> str:
+    """`inference/decoding/tree.py` -> `inference.decoding.tree`; a package's `__init__.py` is the package."""
+    parts = Path(relative_path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _absolute(node: ast.ImportFrom, relative_path: str) -> str:
+    """The dotted module a `from ... import` names, a relative one placed by the file's folder.
+
+    Relative imports never leave the file's own top-level package (`from ..x import y` in `models/a.py`
+    is `models.x`)."""
+    if not node.level:
+        return node.module or ""
+    folder = list(Path(relative_path).parts[:-1])
+    base = folder[: max(1, len(folder) - (node.level - 1))]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported_modules(source: str, relative_path: str) -> list[tuple[int, str]]:
+    """(line, part) of every import anywhere in the file, relative imports resolved (`part_of`).
+
+    `relative_path` is the file's path from the repository root (`inference/measure/bench.py`); it places
+    relative imports (`from ..x import y` in `data/sub/a.py` is `data`). `from inference import decoding`
+    imports the part `inference.decoding`.
     """
-    folder = Path(relative_path).parts[:-1]
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source, filename=relative_path)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            found += [(node.lineno, part_of(alias.name)) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            relative_to = folder[0] if node.level and folder else ""
-            found.append((node.lineno, relative_to or (node.module or "").split(".")[0]))
+            base = _absolute(node, relative_path)
+            parts = dict.fromkeys(part_of(f"{base}.{alias.name}") for alias in node.names)
+            found += [(node.lineno, part) for part in parts]
         elif isinstance(node, ast.Call) and (name := _dynamic_name(node)) is not None:
-            found.append((node.lineno, name.lstrip(".").split(".")[0]))
-    return found
+            found.append((node.lineno, part_of(name.lstrip("."))))
+    return sorted(found, key=lambda item: item[0])  # in line order (the walk goes breadth first)
 
 
 def boundary_violations(source: str, relative_path: str) -> list[str]:
     """`path:line: message` for every import of the file that breaks an arrow; [] when it keeps them all."""
-    package = Path(relative_path).parts[0]
-    allowed = ALLOWED.get(package, OUTSIDE_ALLOWED)
-    label = package if package in ALLOWED else "a file outside the packages"
+    importer = part_of(module_name(relative_path))
+    package = importer.split(".")[0]
+    allowed = ALLOWED.get(importer, OUTSIDE_ALLOWED)
+    label = importer if importer in ALLOWED else "a file outside the packages"
     problems = []
-    for line, module in imported_modules(source, relative_path):
+    for line, part in imported_modules(source, relative_path):
         where = f"{relative_path}:{line}"
-        if module in PACKAGES and module not in allowed:
-            problems.append(f"{where}: {label} may not import {module}")
-        if package in NO_TRAINING_STACK and module in TRAINING_STACK:
-            problems.append(f"{where}: {package} may not import the training stack ({module})")
+        top = part.split(".")[0]
+        if top in PACKAGES and part not in allowed and top not in allowed:
+            problems.append(f"{where}: {label} may not import {part}")
+        if package in NO_TRAINING_STACK and top in TRAINING_STACK:
+            problems.append(f"{where}: {package} may not import the training stack ({top})")
     return problems
 
 
@@ -151,6 +191,41 @@ def test_the_checker_sees_function_level_and_relative_imports():
     ]
 
 
+def test_the_checker_sees_the_inner_arrows_of_inference():
+    """Inside `inference/` each subpackage is a part: the decoder may not import what measures or evaluates it."""
+    source = (
+        "from models.target import ImageTarget\n"
+        "from inference.decoding.tree import Tree\n"
+        "def run():\n"
+        "    from inference.measure import bench\n"
+        "from ..evaluation.scoring import fid\n"
+        "from inference import evaluation, decoding\n"
+        "import inference.bench\n"
+    )
+    assert boundary_violations(source, "inference/decoding/x.py") == [
+        "inference/decoding/x.py:4: inference.decoding may not import inference.measure",
+        "inference/decoding/x.py:5: inference.decoding may not import inference.evaluation",
+        "inference/decoding/x.py:6: inference.decoding may not import inference.evaluation",
+        "inference/decoding/x.py:7: inference.decoding may not import inference",
+    ]
+    assert boundary_violations(source, "inference/measure/x.py") == [
+        "inference/measure/x.py:5: inference.measure may not import inference.evaluation",
+        "inference/measure/x.py:6: inference.measure may not import inference.evaluation",
+        "inference/measure/x.py:7: inference.measure may not import inference",
+    ]
+    assert boundary_violations(source, "inference/evaluation/x.py") == [
+        "inference/evaluation/x.py:4: inference.evaluation may not import inference.measure",
+        "inference/evaluation/x.py:7: inference.evaluation may not import inference",
+    ]
+    # an entry point at the top of inference/ calls its subpackage; data and training may import any part
+    assert boundary_violations("from inference.measure.bench import main\n", "inference/bench.py") == []
+    assert boundary_violations("from inference.evaluation.scoring import fid\n", "data/x.py") == []
+    assert imported_modules("from . import tree\nfrom .. import measure\n", "inference/decoding/x.py") == [
+        (1, "inference.decoding"),
+        (2, "inference.measure"),
+    ]
+
+
 def test_the_toy_checker_sees_submodule_imports():
     source = "from models.toy import ToyTarget\ndef f():\n    from models.toy.metrics import SceneReader\n"
     assert toy_internal_imports(source, "inference/synthetic.py") == [
@@ -169,13 +244,110 @@ def test_no_module_outside_the_toy_package_imports_its_internals():
 
 def test_every_project_file_keeps_the_arrows():
     files = project_files()
-    for package in PACKAGES:  # the walk found the packages (an empty walk would pass vacuously)
-        assert any(f.relative_to(ROOT).parts[0] == package for f in files), f"no Python files found in {package}/"
+    found = {part_of(module_name(f.relative_to(ROOT).as_posix())) for f in files}
+    for part in ALLOWED:  # the walk found every part (an empty walk would pass vacuously)
+        assert part in found, f"no Python files found in {part.replace('.', '/')}/"
     problems = []
     for path in files:
         relative = path.relative_to(ROOT).as_posix()
         problems += boundary_violations(path.read_text(encoding="utf-8"), relative)
     assert not problems, "import arrows broken (see docs/architecture.md):\n" + "\n".join(problems)
+
+
+def test_the_top_of_inference_holds_entry_points_only():
+    """`inference/NAME.py` only keeps `python -m inference.NAME` working: it imports `main` from the module
+    of the same name in one of the three parts, and the code lives there."""
+    tops = sorted(p for p in (ROOT / "inference").glob("*.py") if p.name != "__init__.py")
+    assert tops, "no entry points found at the top of inference/"
+    for path in tops:
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        imports = [(n.module, [a.name for a in n.names]) for n in body if isinstance(n, ast.ImportFrom)]
+        assert imports in ([(f"inference.{part}.{path.stem}", ["main"])] for part in INFERENCE_PARTS), (path, imports)
+        assert len(body) == 3, f"{path}: a docstring, the import and `if __name__ == '__main__': main()` only"
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports, from {repository path: source}.
+
+    Every import in the file counts: module level, under `if TYPE_CHECKING:` (a circle of type-only imports
+    is still two modules that need each other) and inside functions (a deferred import only hides one).
+    `from a.b import c` is the module `a.b.c` when that is a project module, else `a.b`; `import a.b.c` is
+    the deepest of `a.b.c`, `a.b`, `a` that is one. A package is its `__init__.py`.
+    """
+    modules = {module_name(path) for path in sources}
+
+    def deepest(name: str) -> str | None:
+        parts = name.split(".")
+        return next((m for i in range(len(parts), 0, -1) if (m := ".".join(parts[:i])) in modules), None)
+
+    graph: dict[str, set[str]] = {}
+    for path, source in sources.items():
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(source, filename=path)):
+            if isinstance(node, ast.Import):
+                targets |= {deepest(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, path)
+                targets |= {deepest(f"{base}.{alias.name}") for alias in node.names}
+        graph[module_name(path)] = {t for t in targets if t is not None} - {module_name(path)}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other around a circle (strongly connected, two or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(groups)
+
+
+def test_the_cycle_checker_sees_a_type_only_circle():
+    """The cycle test must be able to fail: a pair joined by a TYPE_CHECKING import, a relative pair."""
+    sources = {
+        "models/a.py": "from models.b import B\n",
+        "models/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from models.a import A\n",
+        "models/c.py": "from models.a import A\n",  # imports into the circle, is not part of it
+        "inference/decoding/x.py": "from . import y\n",
+        "inference/decoding/y.py": "def f():\n    from .x import g\n",
+        "inference/decoding/__init__.py": '"""A package."""\n',
+    }
+    graph = import_graph(sources)
+    assert graph["models.c"] == {"models.a"} and graph["inference.decoding"] == set()
+    assert import_cycles(graph) == [["inference.decoding.x", "inference.decoding.y"], ["models.a", "models.b"]]
+    assert import_cycles(import_graph({"models/a.py": "import models.b\n", "models/b.py": "import torch\n"})) == []
+
+
+def test_no_project_modules_import_each_other():
+    """models.eagle and models.eagle_layers did (the layers' config type): both now read models.drafter_config."""
+    sources = {
+        path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    graph = import_graph(sources)
+    assert graph["models.eagle"] >= {"models.drafter_config", "models.eagle_layers"}  # the graph sees real imports
+    cycles = import_cycles(graph)
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(group) for group in cycles)
 
 
 def test_models_and_inference_import_without_the_training_stack():

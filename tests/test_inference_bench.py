@@ -10,10 +10,10 @@ import torch
 from conftest import build_tiny_toy_target
 from PIL import Image
 
-import inference.speculative as speculative
-from inference.bench import StepTimer, main
-from inference.methods import parse_methods
-from inference.report import pareto_front
+import inference.decoding.speculative as speculative
+from inference.measure.bench import StepTimer, main
+from inference.measure.methods import parse_methods
+from inference.measure.report import pareto_front
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 
@@ -108,8 +108,8 @@ def test_step_timer_times_every_phase_through_the_decoder_hooks(tiny_target):
     """No module global or method is replaced: the decode loop reports its phases to the timer."""
     from stub_drafters import OracleDrafter
 
-    from inference.rules import ExactRule
-    from inference.speculative import DecoderConfig, generate_speculative
+    from inference.decoding.rules import ExactRule
+    from inference.decoding.speculative import DecoderConfig, generate_speculative
 
     before = (speculative.verify, speculative.build_target_view, speculative._draft)
     timer = StepTimer(tiny_target)

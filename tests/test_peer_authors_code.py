@@ -22,11 +22,11 @@ from reference_lantern import evaluate_posterior as lantern_posterior
 from reference_lantern import nearest_codes
 from test_decoder_verify import SMALL_TREE, WIDE_TREE, build_case, inner_view
 
-from inference.rules import CascadeDevRule, GSDBlocksRule, GSDRule, LanternRule
-from inference.sampling import Proposal
-from inference.tree import STATIC_TREES, StaticTreeSpec, Tree
-from inference.tree_drafting import gumbel_topk
-from inference.verify import TargetView, Uniforms, build_latent_neighbours, verify
+from inference.decoding.rules import CascadeDevRule, GSDBlocksRule, GSDRule, LanternRule
+from inference.decoding.sampling import Proposal
+from inference.decoding.tree import STATIC_TREES, StaticTreeSpec, Tree
+from inference.decoding.tree_drafting import gumbel_topk
+from inference.decoding.verify import TargetView, Uniforms, build_latent_neighbours, verify
 
 
 def draw_tree_tokens(spec: StaticTreeSpec, q_full: torch.Tensor, sampled: bool, g: torch.Generator) -> torch.Tensor:

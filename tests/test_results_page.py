@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from inference.results import PAGE, RESULTS, render_page
+from inference.measure.results import PAGE, RESULTS, render_page
 
 PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [^,]+, commit [0-9a-f]{7}")
 

@@ -1,4 +1,4 @@
-"""The signal study (`inference.signals`): its states are the tree forward's, its labels the decoder's, its AUC right."""
+"""The signal study (`inference.measure.signals`): states as the tree forward computes them, decoder labels, AUC."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from test_drafter_models import tiny_drafter
 
-from inference.eagle import EagleDrafter
-from inference.rules import CascadeRule
-from inference.signals import (
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.rules import CascadeRule
+from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
+from inference.measure.signals import (
     LABELS,
     TreeRecorder,
     node_pairs,
@@ -20,7 +21,6 @@ from inference.signals import (
     study_signals,
     usable_nodes,
 )
-from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative
 
 PROMPT = "a big green square at the top left on a striped blue background"
 

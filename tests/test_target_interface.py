@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from inference.autoregressive import generate_ar
-from inference.sampling import (
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.sampling import (
     Proposal,
     combine_cfg,
     filter_logits,

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from inference.latency import measure_target_latency, synthetic_tree
-from inference.tree import ancestor_mask
+from inference.decoding.tree import ancestor_mask
+from inference.measure.latency import measure_target_latency, synthetic_tree
 from models.random_weights import RANDOM_BUILDERS, random_target
 
 pytest.importorskip("transformers")
@@ -134,7 +134,7 @@ def test_latency_forwards_all_see_the_same_context(name):
 
 
 def test_bench_random_weights_cli_writes_the_report(tmp_path, capsys):
-    from inference.bench import main
+    from inference.measure.bench import main
 
     out = tmp_path / "latency.json"
     main(["--target", "lumina-mgpt-7b", "--random-weights", "--size", "tiny", "--target-only", "--tree-nodes", "9",
@@ -157,7 +157,7 @@ def test_registry_builds_random_weights_instead_of_loading():
 
 
 def test_bench_latency_of_a_loaded_target(capsys):
-    from inference.bench import main
+    from inference.measure.bench import main
 
     (summary,) = main(["--target", "toy", "--latency", "--target-only", "--tree-nodes", "5", "--latency-steps", "2",
                        "--threads", "1"])  # fmt: skip
@@ -168,10 +168,10 @@ def test_bench_latency_of_a_loaded_target(capsys):
 
 
 def test_step_clock_times_the_asked_steps_through_the_loop_hooks():
-    from inference.eagle import EagleDrafter
-    from inference.rules import ExactRule
-    from inference.speculative import DecoderConfig
-    from inference.step_latency import PHASES, time_decode_steps
+    from inference.decoding.eagle import EagleDrafter
+    from inference.decoding.rules import ExactRule
+    from inference.decoding.speculative import DecoderConfig
+    from inference.measure.step_latency import PHASES, time_decode_steps
     from models.random_weights import random_drafter_model
 
     target = random_target("llamagen-xl", "tiny", device="cpu")
@@ -185,10 +185,10 @@ def test_step_clock_times_the_asked_steps_through_the_loop_hooks():
 
 
 def test_bench_latency_measures_the_whole_speculative_step(tmp_path, capsys):
-    from inference.bench import main
-    from inference.rules import RULES
-    from inference.speculative import DecoderConfig
-    from inference.step_latency import DEFAULT_TAU
+    from inference.decoding.rules import RULES
+    from inference.decoding.speculative import DecoderConfig
+    from inference.measure.bench import main
+    from inference.measure.step_latency import DEFAULT_TAU
 
     out = tmp_path / "step.json"
     argv = ["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--latency-steps", "2",
@@ -222,7 +222,7 @@ def test_bench_latency_measures_the_whole_speculative_step(tmp_path, capsys):
 
 
 def test_bench_latency_refuses_target_only_options_for_the_whole_step():
-    from inference.bench import main
+    from inference.measure.bench import main
 
     with pytest.raises(SystemExit, match="--tree-nodes shape"):
         main(["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--tree-nodes", "9"])
@@ -233,7 +233,7 @@ def test_bench_latency_refuses_target_only_options_for_the_whole_step():
 
 @pytest.mark.parametrize("name", sorted(RANDOM_BUILDERS))
 def test_real_size_random_drafter_is_its_targets_preset(name):
-    from inference.eagle import EagleDrafter
+    from inference.decoding.eagle import EagleDrafter
     from models.eagle import drafter_preset
     from models.random_weights import random_drafter_model
 

@@ -20,11 +20,11 @@ import torch
 from conftest import depths_of, path_to, prefilled, tree_mask_of
 from stub_drafters import OracleDrafter
 
-from inference.autoregressive import generate_ar
-from inference.eagle import EagleDrafter
-from inference.sampling import combine_cfg
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import ExactRule
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.sampling import combine_cfg
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import ExactRule
 from models import registry
 from models.eagle import EagleDraftModel, drafter_preset
 from models.llamagen import LLAMAGEN_PRESETS, LlamaGenConfig, LlamaGenTransformer, build_rotary_table_2d

@@ -16,10 +16,10 @@ import torch
 from conftest import assert_chunked_cache_matches_full_forward, depths_of, path_to, prefilled, tree_mask_of
 from stub_drafters import OracleDrafter
 
-from inference.autoregressive import generate_ar
-from inference.sampling import combine_cfg
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import ExactRule
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.sampling import combine_cfg
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import ExactRule
 from models import registry
 from models.lumina import END_OF_TURN, PROMPT_TEMPLATE, LuminaTarget
 

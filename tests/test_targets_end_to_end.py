@@ -17,10 +17,10 @@ from test_target_lumina import GRID, build_tiny_lumina, tiny_decoder
 from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
-from inference.autoregressive import generate_ar
-from inference.eagle import EagleDrafter
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import ExactRule
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import ExactRule
 from models import registry
 from models.janus import JanusTarget
 from models.lumina import LuminaTarget

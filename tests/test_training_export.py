@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
-from inference.eagle import EagleDrafter
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.verify import ExactRule
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.verify import ExactRule
 from models import registry
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import shared_target

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from data.drafter_data import resolve_config_path
-from inference.eagle import check_compatible
+from inference.decoding.eagle import check_compatible
 from models.eagle import EagleDraftModel
 from models.random_weights import random_target
 from models.registry import shared_target

@@ -1,4 +1,4 @@
-"""`inference.tree_fit`: path acceptance frequencies add up to the decode's tau, the fitted tree is the best
+"""`inference.measure.tree_fit`: path acceptance frequencies add up to the decode's tau, the fitted tree is the best
 closed sub-tree, a fitted tree file decodes, and the toy target names its own default tree."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from conftest import build_tiny_toy_target
 from stub_drafters import OracleDrafter
 
-from inference.rules import ExactRule
-from inference.speculative import DecoderConfig, generate_speculative
-from inference.tree import MC_SIM_7B_63, StaticTreeSpec, load_static_tree
-from inference.tree_fit import candidate_paths, fit_static_tree, main, measure_path_acceptance
+from inference.decoding.rules import ExactRule
+from inference.decoding.speculative import DecoderConfig, generate_speculative
+from inference.decoding.tree import MC_SIM_7B_63, StaticTreeSpec, load_static_tree
+from inference.measure.tree_fit import candidate_paths, fit_static_tree, main, measure_path_acceptance
 from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS
 from models.target import ImageTarget

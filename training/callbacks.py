@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
-from inference.autoregressive import generate_ar
-from inference.eagle import EagleDrafter
-from inference.generate import build_rule, image_grid
-from inference.rules import RULES
-from inference.speculative import DecoderConfig, generate_speculative
+from inference.decoding.autoregressive import generate_ar
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.generate import build_rule, image_grid
+from inference.decoding.rules import RULES
+from inference.decoding.speculative import DecoderConfig, generate_speculative
 from models.target import ImageTarget
 
 
@@ -62,7 +62,8 @@ class DecodeValidation(Callback):
     """Decode held-out prompts with the current drafter at validation; log tau per rule, fidelity and a grid.
 
     Args:
-        rules: verification rules to run (`inference.rules.RULES`; built by `inference.generate.build_rule`).
+        rules: verification rules to run (`inference.decoding.rules.RULES`; built by
+            `inference.decoding.generate.build_rule`).
         num_prompts: K held-out prompts per evaluation, split across ranks.
         every_n_validations: run at every n-th validation (0 = off); always after the last training step.
         tree: "static" (the target's default static tree, sampled drafts: the decoder's default), "dynamic" (EAGLE-2:

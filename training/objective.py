@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inference.sampling import combine_cfg
+from inference.decoding.sampling import combine_cfg
 from models.eagle import EagleDraftModel
 from models.target import ImageTarget
 from training.losses import (

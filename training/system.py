@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 
-from inference.eagle import check_compatible
+from inference.decoding.eagle import check_compatible
 from models.eagle import EagleDraftModel, count_parameters, drafter_preset
 from models.registry import shared_target
 from models.target import ImageTarget
@@ -309,5 +309,6 @@ class DrafterSystem(L.LightningModule):
     # ------------------------------------------------------------------------- export
 
     def export_drafter(self, folder: str | Path) -> Path:
-        """Write the drafter alone (config.json + model.safetensors), loadable by `inference.eagle.EagleDrafter`."""
+        """Write the drafter alone (config.json + model.safetensors), loadable by
+        `inference.decoding.eagle.EagleDrafter`."""
         return self.drafter.save_pretrained(folder)

@@ -10,7 +10,7 @@ use captions the target never saw.
     captions = toy_captions(16, seed=5, split="heldout")
 
 The toy world lives in `models/` because every package needs its captions: inference decodes
-held-out captions (`inference.bench`, `inference.calibrate`), data extracts features over them
+held-out captions (`inference.measure.bench`, `inference.decoding.calibrate`), data extracts features over them
 (`data.prompts`), training renders scenes to build the toy target (`models.toy.train`).
 
 The geometry is laid out for the 6 x 6-pixel patch tokenizer (`models/toy/vq.py`): a 36 x 36 canvas is

@@ -32,7 +32,7 @@ class ToyTarget(DecoderTarget):
     """The embedded toy text-to-image target."""
 
     family = "llamagen"
-    default_static_tree = "toy_demo_fit_8"  # fitted to the demo drafter on a 2-core CPU (inference.tree)
+    default_static_tree = "toy_demo_fit_8"  # fitted to the demo drafter on a 2-core CPU (inference.decoding.tree)
 
     def __init__(self, network: ToyTextToImage, vq: PatchVQ, name: str = "toy",
                  sampling: SamplingDefaults = TOY_SAMPLING) -> None:  # fmt: skip

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conf
 import torch  # noqa: E402
 from conftest import build_tiny_toy_target  # noqa: E402
 
-import inference.eval_folder as eval_folder  # noqa: E402
-from inference.evaluate import main  # noqa: E402
+import inference.evaluation.eval_folder as eval_folder  # noqa: E402
+from inference.evaluation.evaluate import main  # noqa: E402
 from models.registry import TARGET_LOADERS  # noqa: E402
 
 TARGET_LOADERS["tiny-eval"] = lambda **kwargs: build_tiny_toy_target(grid=6)

@@ -5,7 +5,7 @@
 
 `compile_decoding` compiles, in place, the target's decoder pass (`DecoderTarget.run_decoder`: the
 prefill and every forward over a tree) and the drafter's fused step (`EagleDrafter.step`), and returns a
-compiled `inference.verify.verify` for the decode loop to call. Shapes are marked dynamic, so the
+compiled `inference.decoding.verify.verify` for the decode loop to call. Shapes are marked dynamic, so the
 growing KV cache and the per-step commit width do not recompile each step; static trees keep the node
 count fixed. Sampling stays outside the compiled graphs (its random draws come from the caller's
 generator in the same order), so for one seed a compiled decode yields the same tokens as an eager
@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from inference.eagle import EagleDrafter
-from inference.verify import verify
+from inference.decoding.eagle import EagleDrafter
+from inference.decoding.verify import verify
 from models.target import DecoderTarget, ImageTarget
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -63,7 +63,7 @@ def decoding_mode(decode: Decode) -> Decode:
 def decodes_under_no_grad() -> Iterator[None]:
     """Decodes started in this context run under `torch.no_grad()` instead of inference mode.
 
-    For op counts (`inference.cost`): in inference mode a composite op (`linear`, `rms_norm`,
+    For op counts (`inference.measure.cost`): in inference mode a composite op (`linear`, `rms_norm`,
     `scaled_dot_product_attention`) reaches a `TorchDispatchMode` whole, and is decomposed below it, so a
     count would see one op where the backend runs several (on the toy target's forward, 568 ops against 751).
     Under no_grad the mode sees every op the backend runs, the same in every session.

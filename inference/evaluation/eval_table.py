@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.eval_folder import SCORES_FILE, load_finished, summarise_records
-from inference.files import write_atomic, write_json
-from inference.generate import TAU_DEFINITION
+from inference.decoding.files import write_atomic, write_json
+from inference.decoding.generate import TAU_DEFINITION
+from inference.evaluation.eval_folder import SCORES_FILE, load_finished, summarise_records
 
 
 def table_rows(runs: Sequence[Path], speed_images: int | None = None) -> list[dict[str, Any]]:

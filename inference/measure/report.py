@@ -5,7 +5,7 @@
     plot_sweep(records, Path("pareto.png"), sweep_title(summary))
 
 `Quality` scores images with the toy world's scene reader (prompt fidelity, FID-style distance).
-`records` are the JSON-ready rows `inference.bench.summarise` returns (tau, forwards, speed, quality,
+`records` are the JSON-ready rows `inference.measure.bench.summarise` returns (tau, forwards, speed, quality,
 the time split of a step); nothing here decodes.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.files import write_atomic
+from inference.decoding.files import write_atomic
 from models.target import ImageTarget
 
 

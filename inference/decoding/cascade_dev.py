@@ -1,5 +1,5 @@
 """cascade-dev: the CASCADE development code's acceptance rule, as that code runs it (commit 8c40c9c, the Lumina
-file with `topK_generate`); `inference.peer_rules` re-exports it beside the other peers' rules.
+file with `topK_generate`); `inference.decoding.peer_rules` re-exports it beside the other peers' rules.
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, N tree nodes.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import (
+from inference.decoding.rule_inputs import (
     RemovalSlots,
     SlotInputs,
     SlotTest,
@@ -22,7 +22,7 @@ from inference.rule_inputs import (
     exact_residual,
     pack_slots,
 )
-from inference.tree import Tree, strictly_lower
+from inference.decoding.tree import Tree, strictly_lower
 
 
 @dataclass

@@ -5,7 +5,7 @@
     print(format_latency(report))
 
 (`python -m inference.bench --latency --target-only`; the whole speculative step, drafting and the
-rules included, is `inference.step_latency`.)
+rules included, is `inference.measure.step_latency`.)
 
 This is the cost model of speculative decoding: a step of the tree decoder replaces `tau` AR steps
 with one target forward over all tree nodes, so its wall-time speedup is at most
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.compiled import decoding_mode
-from inference.tree import ancestor_mask
+from inference.decoding.compiled import decoding_mode
+from inference.decoding.tree import ancestor_mask
 from models.target import ImageTarget
 
 PROMPT = "a photo of a red fox in the snow"

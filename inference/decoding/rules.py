@@ -1,7 +1,7 @@
 """Verification rules, one class each: its parameters, the mass a draft is accepted with, and its residual.
 
-`inference.verify` walks the draft tree and asks the rule about the c-th child of every node at once
-(the inputs: `inference.rule_inputs`; cascade.md §2.4, §4, §5): `test_slot(...)` -> `SlotTest`, the
+`inference.decoding.verify` walks the draft tree and asks the rule about the c-th child of every node at once
+(the inputs: `inference.decoding.rule_inputs`; cascade.md §2.4, §4, §5): `test_slot(...)` -> `SlotTest`, the
 acceptance probability a0 of the drafted token x; for budgeted rules (CASCADE) the extra acceptance
 probability it would like on top, which `verify` grants while the TV budget delta of the step lasts;
 and the residual target after x is rejected (unnormalised). One method for the three, so that what
@@ -15,9 +15,9 @@ target exactly. Hence TV(output of one verification step, target) <= delta, for 
 for sampled trees, static or dynamic (tested by enumeration in tests/test_decoder_lossless.py).
 
 This module holds exact and CASCADE and the registry of every rule. The peer rules (LANTERN, LANTERN++,
-the two GSD rules, the CASCADE development code's rule: `inference.peer_rules` and `inference.gsd_blocks`,
-re-exported here) follow their authors' code (cascade.md Round 2, item 9), residual modifications included,
-and carry no such guarantee.
+the two GSD rules, the CASCADE development code's rule: `inference.decoding.peer_rules` and
+`inference.decoding.gsd_blocks`, re-exported here) follow their authors' code (cascade.md Round 2, item 9),
+residual modifications included, and carry no such guarantee.
 
 Shapes: B rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary,
 D feature width, C candidate tokens per slot (2K + 1).
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.cascade_dev import CascadeDevRule
-from inference.gsd_blocks import GSDBlocksRule
-from inference.peer_rules import GSDRule, LanternRule, scatter_mask
-from inference.rule_inputs import (
+from inference.decoding.cascade_dev import CascadeDevRule
+from inference.decoding.gsd_blocks import GSDBlocksRule
+from inference.decoding.peer_rules import GSDRule, LanternRule, scatter_mask
+from inference.decoding.rule_inputs import (
     RemovalSlots,
     SlotInputs,
     SlotTest,
@@ -44,8 +44,8 @@ from inference.rule_inputs import (
     exact_acceptance,
     exact_residual,
 )
-from inference.similarity import centred_unit, kl_divergence
-from inference.tree import strictly_lower
+from inference.decoding.similarity import centred_unit, kl_divergence
+from inference.decoding.tree import strictly_lower
 
 __all__ = [
     "RULES",

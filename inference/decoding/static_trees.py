@@ -1,5 +1,5 @@
 """Static draft trees as lists of child-index paths: the shipped lists, loading one from JSON, and the check
-that a list is a tree of draws (`check_static_paths`). `inference.tree.StaticTreeSpec` builds them.
+that a list is a tree of draws (`check_static_paths`). `inference.decoding.tree.StaticTreeSpec` builds them.
 
 A path [c1, c2, ...] is the c2-th child of the c1-th child of the root; a c-th child receives its
 parent's c-th draw from the drafter distribution, so it needs its parent and its earlier siblings.
@@ -67,10 +67,10 @@ def check_static_paths(paths: tuple[tuple[int, ...], ...], where: str = "static 
     child (c > 0), its earlier sibling (..., c - 1).
 
     Why the sibling: node (..., c) receives its parent's (c + 1)-th draw without replacement, but verification
-    tests a child against q with only the *listed* earlier siblings removed (`inference.verify.draw_probabilities`,
-    recursive rejection sampling; cascade.md Round 3, item 12). With a hole the draw before it was taken from q
-    and never tested, so even `exact` is lossy: V = 3, p uniform, q = (0.6, 0.3, 0.1) and the list ((0,), (2,))
-    emit (0.333, 0.311, 0.356), TV 0.022.
+    tests a child against q with only the *listed* earlier siblings removed
+    (`inference.decoding.verify.draw_probabilities`, recursive rejection sampling; cascade.md Round 3, item 12).
+    With a hole the draw before it was taken from q and never tested, so even `exact` is lossy: V = 3, p uniform,
+    q = (0.6, 0.3, 0.1) and the list ((0,), (2,)) emit (0.333, 0.311, 0.356), TV 0.022.
 
     Args:
         paths: child-index paths, e.g. ((0,), (1,), (0, 0)).

@@ -2,8 +2,9 @@
 what it answers (`SlotTest`); and the arithmetic every rule shares (the exact test and residual, the mass above a
 child at its parent).
 
-`inference.verify` builds the inputs; the rules (`inference.rules`, `inference.peer_rules`) read them. Shapes: B
-rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary, D feature width.
+`inference.decoding.verify` builds the inputs; the rules (`inference.decoding.rules`,
+`inference.decoding.peer_rules`) read them. Shapes: B rows, N tree nodes, I parent nodes (the nodes with children,
+or all N), K child slots, V vocabulary, D feature width.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference.similarity import mass_above
-from inference.tree import Tree, WalkTables, select
+from inference.decoding.similarity import mass_above
+from inference.decoding.tree import Tree, WalkTables, select
 
 
 @dataclass
@@ -45,7 +46,7 @@ class SlotInputs:
 
 @dataclass
 class TreeInputs:
-    """The verification problem, prepared once per step by `inference.verify`.
+    """The verification problem, prepared once per step by `inference.decoding.verify`.
 
     Its tables have one row per parent node: the nodes the target view covers (`nodes`, the tree's
     inner nodes), or every node when `nodes` is None. Children, paths and features are node ids and
@@ -91,7 +92,7 @@ class RemovalSlots:
 
     The c-th test then sees p_c = p with the tokens of the earlier tested siblings removed, renormalised:
     p_c(y) = p(y) / mass_left[c] for a token y not removed before slot c, 0 for one that was. No loop over
-    the slots is needed (`inference.verify.removal_slots` builds this in a dozen ops).
+    the slots is needed (`inference.decoding.verify.removal_slots` builds this in a dozen ops).
     """
 
     p: Tensor  # (B, I, V) unmodified target at the parent nodes

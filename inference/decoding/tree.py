@@ -11,7 +11,7 @@ so the children of a node appear in draw order (static, sampled drafts) or draft
   the children before it (`check_static_paths`), or verification would test it as an earlier draw.
 - Dynamic trees (EAGLE-2) grow the top-k frontier by cumulative log q and keep the best
   `total_tokens` nodes; their shape differs per row (drafting and its selection steps:
-  `inference.tree_drafting`).
+  `inference.decoding.tree_drafting`).
 
 A `Tree` carries the tables that verification reads off its shape (`WalkTables`), built once per tree,
 or once per static shape and batch. Everything else here is a pure tensor function over a batch of
@@ -31,7 +31,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from inference.static_trees import (  # noqa: F401 (re-exported: the static lists live beside their check)
+from inference.decoding.static_trees import (  # noqa: F401 (re-exported: the static lists live beside their check)
     MC_SIM_7B_63,
     NAIVE_EXTEND_57,
     STATIC_TREES,

@@ -1,8 +1,9 @@
 """The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9, and Round 3, item 11):
 LANTERN and LANTERN++ and GSD (GSD-blocks and the CASCADE development code's rule have modules of their own,
-`inference.gsd_blocks` and `inference.cascade_dev`). They change the residual or relax without a budget, so they
-carry no TV guarantee;
-`inference.rules` holds the registry of every rule and their shared interface (`test_slot`, `acceptance_at_once`).
+`inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual or relax without a
+budget, so they carry no TV guarantee;
+`inference.decoding.rules` holds the registry of every rule and their shared interface (`test_slot`,
+`acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
 width.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import (
+from inference.decoding.rule_inputs import (
     RemovalSlots,
     SlotInputs,
     SlotTest,
@@ -69,9 +70,9 @@ class LanternRule:
     removed and, if anything was pooled, its k + 1 nearest latents too ("code", the authors' code) or
     only the pooled ones ("pooled"). On sampled (static) trees the LlamaGen/Anole file zeroes the
     proposal q at those latents before relu(p - q), so they keep their p (`static_zeroes="q"`); the
-    Lumina file zeroes p (`static_zeroes="p"`); `inference.generate.build_rule` picks the target family's
+    Lumina file zeroes p (`static_zeroes="p"`); `inference.decoding.generate.build_rule` picks the target family's
     (`lantern_static_zeroes`). Greedy decoding reads the unfiltered softmax of the guided logits, as the
-    authors' greedy path does (`inference.speculative.build_target_view`).
+    authors' greedy path does (`inference.decoding.speculative.build_target_view`).
     """
 
     neighbours: Tensor

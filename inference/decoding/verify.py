@@ -1,4 +1,4 @@
-"""Tree verification: one pass over every node of B drafted trees, whatever the rule (`inference.rules`).
+"""Tree verification: one pass over every node of B drafted trees, whatever the rule (`inference.decoding.rules`).
 
 `verify(tree, view, rule, uniforms)` decides which drafts are accepted after one target forward over
 the tree. Every node's children are tested in order (draw order for sampled drafts, drafter rank for
@@ -36,7 +36,7 @@ through `TargetView.at_leaf`.
   x is the argmax; relaxed rules: x's relaxed mass exceeds every other token's p) and the deepest
   node whose whole path passes is accepted (LANTERN's longest accepted path); the bonus is the argmax.
   LANTERN's p there is the unfiltered softmax, as in its authors' greedy code (`TargetView.probs`, built by
-  `inference.speculative.build_target_view`).
+  `inference.decoding.speculative.build_target_view`).
 
 Shapes: B rows, N tree nodes, I nodes the view covers (a static tree's inner nodes, else N), K child
 slots, V vocabulary, P path length (max depth + 1), D features.
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import (
+from inference.decoding.rule_inputs import (
     RemovalSlots,
     SlotInputs,
     TreeInputs,
@@ -62,7 +62,7 @@ from inference.rule_inputs import (
     packed_slots,
     unpack_slots,
 )
-from inference.rules import (
+from inference.decoding.rules import (
     RULES,
     CascadeRule,
     ExactRule,
@@ -72,8 +72,8 @@ from inference.rules import (
     Rule,
     needs_every_node,
 )
-from inference.similarity import centred_cosine, kl_divergence
-from inference.tree import Tree, select, strictly_lower
+from inference.decoding.similarity import centred_cosine, kl_divergence
+from inference.decoding.tree import Tree, select, strictly_lower
 
 __all__ = [
     "RULES",
@@ -374,7 +374,7 @@ def verify(
         tree: the drafted trees (node 0 = root).
         view: target distributions (and greedy tokens) at every node or at the inner nodes (`TargetView`),
             CASCADE features at every node.
-        rule: the verification rule (`inference.rules`).
+        rule: the verification rule (`inference.decoding.rules`).
         uniforms: pre-drawn randomness: uniforms.accept[b, d, c] decides the test of child c of the
             depth-d node on row b's walk.
         max_accept: (B,) accept at most this many drafts per row (image end); None = no limit.

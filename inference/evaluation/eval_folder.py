@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from inference.files import TEMP_NAME, host_name, write_atomic, write_json
-from inference.generate import TAU_DEFINITION
+from inference.decoding.files import TEMP_NAME, host_name, write_atomic, write_json
+from inference.decoding.generate import TAU_DEFINITION
 
 RUN_FILE = "run.json"
 IMAGES_DIR, RECORDS_DIR = "images", "records"

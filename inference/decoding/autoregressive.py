@@ -3,7 +3,7 @@
     result = generate_ar(target, prompts, generator=torch.Generator().manual_seed(0))
 
 One target forward per image token (the prefill yields token 0), sampled through the same logits
-chain as the tree decoder (`inference.sampling.processed_distribution`).
+chain as the tree decoder (`inference.decoding.sampling.processed_distribution`).
 
 Shapes: B prompts, R rows (2B with CFG), G image tokens, V vocabulary.
 """
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.compiled import decoding_mode
-from inference.sampling import draw_tokens, processed_distribution
+from inference.decoding.compiled import decoding_mode
+from inference.decoding.sampling import draw_tokens, processed_distribution
 from models.target import ImageTarget, SamplingDefaults
 
 

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
-from inference.eval_folder import file_digest
-from inference.files import write_atomic
+from inference.decoding.files import write_atomic
+from inference.evaluation.eval_folder import file_digest
 
 CLEAN_FID_SIZE = 256
 INCEPTION_INPUT = 299

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from inference.sampling import Proposal, proposal_distribution
+from inference.decoding.sampling import Proposal, proposal_distribution
 from models.kv_cache import KVCache
 from models.target import Conditioning, ImageTarget, SamplingDefaults, TargetOutput
 

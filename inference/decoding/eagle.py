@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.drafter import DraftOutput, build_draft_attention_mask, tree_attention_mask
+from inference.decoding.drafter import DraftOutput, build_draft_attention_mask, tree_attention_mask
 from models.eagle import CONFIG_NAME, WEIGHTS_NAME, EagleDraftModel
 from models.eagle_fused import FusedDraftStep
 from models.kv_cache import KVCache
@@ -78,7 +78,7 @@ def check_compatible(model: EagleDraftModel, target: ImageTarget) -> None:
 
 
 class EagleDrafter:
-    """`inference.drafter.Drafter` over an `EagleDraftModel` and the target's frozen embedding and head."""
+    """`inference.decoding.drafter.Drafter` over an `EagleDraftModel` and the target's frozen embedding and head."""
 
     reads_attention_mask = True  # `forward` uses the decoder's attention mask whenever given (no tree_mask then)
 
@@ -156,8 +156,8 @@ class EagleDrafter:
         return self.step.rotary_per_column(positions)
 
     def compile(self, **options: Any) -> None:
-        """Run the drafter step's tensor part through `torch.compile(step.run, **options)` (`inference.compiled`);
-        the check that rebuilds the fused weights stays eager, outside the graph."""
+        """Run the drafter step's tensor part through `torch.compile(step.run, **options)`
+        (`inference.decoding.compiled`); the check that rebuilds the fused weights stays eager, outside the graph."""
         self._run_step = torch.compile(self.step.run, **options)
 
     def image_head(self, hidden: Tensor) -> Tensor:

@@ -7,7 +7,7 @@
 A file is written under a temporary name in its own folder, `.<name>.<host>.<pid>.tmp`, then renamed
 into place, so a reader (or a rerun after a kill) never sees half a file. The name says which
 process on which host wrote it, so a rerun can tell a dead writer's leftover (`TEMP_NAME`) from a
-live one's (`inference.eval_folder.remove_stale_temps`).
+live one's (`inference.evaluation.eval_folder.remove_stale_temps`).
 """
 
 from __future__ import annotations

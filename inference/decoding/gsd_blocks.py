@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.rule_inputs import (
+from inference.decoding.rule_inputs import (
     SlotInputs,
     SlotTest,
     TreeInputs,
@@ -42,7 +42,7 @@ from inference.rule_inputs import (
     exact_residual,
     normalise_or_uniform,
 )
-from inference.tree import node_range, strictly_lower
+from inference.decoding.tree import node_range, strictly_lower
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -7,7 +7,7 @@ After prefilling target and drafter, every step (EAGLE-1/2, peers.md §1.8; casc
 1. the drafter reads the pending (target feature, token) pairs of the last accepted path and the bonus token;
 2. it drafts a tree rooted at the last sampled token (static list or dynamic EAGLE-2 tree);
 3. the target runs once over all tree nodes with the tree attention mask;
-4. the rule verifies the tree (`inference.verify`): accepted drafts plus one bonus/correction token;
+4. the rule verifies the tree (`inference.decoding.verify`): accepted drafts plus one bonus/correction token;
 5. the accepted path's KV entries are committed in the target cache (the drafter's draft columns are
    dropped; it re-reads the path with target features at step 1).
 
@@ -37,11 +37,11 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from inference.compiled import decoding_mode
-from inference.drafter import DraftContext, Drafter, to_rows
-from inference.rules import CascadeDevRule, CascadeRule, LanternRule, Rule, needs_every_node
-from inference.sampling import draw_tokens, filter_logits, processed_distribution
-from inference.tree import (
+from inference.decoding.compiled import decoding_mode
+from inference.decoding.drafter import DraftContext, Drafter, to_rows
+from inference.decoding.rules import CascadeDevRule, CascadeRule, LanternRule, Rule, needs_every_node
+from inference.decoding.sampling import draw_tokens, filter_logits, processed_distribution
+from inference.decoding.tree import (
     StaticTreeSpec,
     Tree,
     check_static_paths,
@@ -50,8 +50,8 @@ from inference.tree import (
     select,
     tree_positions,
 )
-from inference.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
-from inference.verify import TargetView, Uniforms, Verdict, verify
+from inference.decoding.tree_drafting import draft_dynamic_tree, draft_sampled_dynamic_tree, draft_static_tree
+from inference.decoding.verify import TargetView, Uniforms, Verdict, verify
 from models.kv_cache import KVCache
 from models.target import ImageTarget, SamplingDefaults, TargetOutput
 
@@ -68,7 +68,7 @@ class DecoderConfig:
     top-k drafts) or "dynamic-sampled" (EAGLE-2 expansion, children drawn from q:
     `draft_sampled_dynamic_tree`)."""
     static_tree: str | tuple[tuple[int, ...], ...] | None = None
-    """A static list's name in `inference.tree.STATIC_TREES`, a JSON file of paths written by
+    """A static list's name in `inference.decoding.tree.STATIC_TREES`, a JSON file of paths written by
     `python -m inference.tree_fit`, or the child-index paths themselves. None: the target's
     `default_static_tree`, which `for_target` fills in. The real targets default to EAGLE's 25-draft
     `mc_sim_7b_63`; the toy target to `toy_demo_fit_8`, fitted to the demo drafter and timed on a 2-core CPU,
@@ -150,8 +150,8 @@ def acceptance_tally(accepted: Tensor) -> tuple[int, float]:
 class DecodeHooks:
     """What the decode loop tells an observer: the phase it is in, and every verification it made.
 
-    Subclass and pass to `generate_speculative(..., hooks=...)`: `inference.bench` times the phases
-    and counts their aten ops and host syncs; `inference.calibrate` reads the similarities of real
+    Subclass and pass to `generate_speculative(..., hooks=...)`: `inference.measure.bench` times the phases
+    and counts their aten ops and host syncs; `inference.decoding.calibrate` reads the similarities of real
     trees. Phases: "draft" (drafter reads the accepted path and drafts the tree), "target" (the
     target forward over the tree), "view" (CFG and the target distributions), "verify" (the rule),
     "commit" (KV commit and bookkeeping, the step's one host read included).
@@ -372,14 +372,15 @@ def generate_speculative(
 
     Args:
         target: the model whose distribution is sampled (exactly, for `ExactRule`).
-        drafter: an EAGLE-style drafter (`inference.drafter.Drafter`).
+        drafter: an EAGLE-style drafter (`inference.decoding.drafter.Drafter`).
         prompts: B prompts.
-        rule: the verification rule (`inference.verify`).
+        rule: the verification rule (`inference.decoding.verify`).
         config: the draft tree; default: the static sampled tree, the target's `default_static_tree`.
         settings: sampling settings, default the target's; temperature 0 = greedy.
         generator: source of all randomness (draws, acceptance tests, bonus tokens).
         hooks: told each phase of every step (timing, op counting) and every verification.
-        verifier: `inference.verify.verify`, or its compiled form (`inference.compiled.compile_decoding`).
+        verifier: `inference.decoding.verify.verify`, or its compiled form
+            (`inference.decoding.compiled.compile_decoding`).
     """
     config, settings = (config or DecoderConfig()).for_target(target), settings or target.sampling
     cfg, greedy = settings.cfg_scale != 1.0, settings.temperature == 0

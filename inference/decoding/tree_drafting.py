@@ -1,4 +1,4 @@
-"""Drafting a tree with a drafter (`inference.drafter.Drafter`) for one verification step (cascade.md §2.3).
+"""Drafting a tree with a drafter (`inference.decoding.drafter.Drafter`) for one verification step (cascade.md §2.3).
 
 Three tree kinds, each one drafter call per level with children:
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference.drafter import DraftContext, attention_bias, to_rows
-from inference.sampling import Proposal
-from inference.tree import StaticTreeSpec, Tree, node_range, select
+from inference.decoding.drafter import DraftContext, attention_bias, to_rows
+from inference.decoding.sampling import Proposal
+from inference.decoding.tree import StaticTreeSpec, Tree, node_range, select
 
 
 def draft_static_tree(
@@ -384,7 +384,7 @@ def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None, race: Te
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
 
     Child c is drawn with probability q(x_c) / (1 - sum_{c' < c} q(x_c')) (cascade.md §2.3); verification
-    reads that off q at the parent and the earlier siblings (`inference.verify.draw_probabilities`), so the
+    reads that off q at the parent and the earlier siblings (`inference.decoding.verify.draw_probabilities`), so the
     drafter does not compute it.
 
     Args:

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference.generate import RULE_CLASSES
-from inference.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
+from inference.decoding.generate import RULE_CLASSES
+from inference.decoding.peer_rules import LANTERN_PP_K, LANTERN_PP_LAM, LANTERN_PP_REPO_RUNS
 
 SweepPoint = tuple[str, str, dict[str, object]]  # (series, rule, options)
 
@@ -36,7 +36,7 @@ SWEEP_GRID: list[SweepPoint] = [
     ),
     *_series("lantern", "lantern", *({"delta": d} for d in (0.05, 0.1, 0.2, 0.4))),
     *_series("lantern reject=pooled", "lantern", *({"delta": d, "reject_zeroes": "pooled"} for d in (0.1, 0.4))),
-    # LANTERN++: the CASCADE authors' baseline, then the LANTERN repository's runs (`inference.peer_rules`)
+    # LANTERN++: the CASCADE authors' baseline, then the LANTERN repository's runs (`inference.decoding.peer_rules`)
     *_series(
         "lantern++",
         "lantern++",

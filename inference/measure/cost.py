@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inference.compiled import decodes_under_no_grad
-from inference.drafter import Drafter
-from inference.rules import Rule
-from inference.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
-from inference.tree import Tree
-from inference.verify import TargetView, Verdict
+from inference.decoding.compiled import decodes_under_no_grad
+from inference.decoding.drafter import Drafter
+from inference.decoding.rules import Rule
+from inference.decoding.speculative import TREE_KINDS, DecodeHooks, DecoderConfig, generate_speculative
+from inference.decoding.tree import Tree
+from inference.decoding.verify import TargetView, Verdict
 from models.target import ImageTarget, SamplingDefaults
 
 PHASES = ("draft", "target", "view", "verify", "commit")
@@ -112,7 +112,7 @@ def count_decode_ops(
 ) -> list[dict[str, Any]]:
     """Decode `prompts` (one at a time) with every rule on every tree under an `OpCounter`.
 
-    The decodes run under no_grad, not inference mode (`inference.compiled.decodes_under_no_grad`), so that
+    The decodes run under no_grad, not inference mode (`inference.decoding.compiled.decodes_under_no_grad`), so that
     the count sees the ops composite ops are made of. Each tree first decodes the first prompt once,
     uncounted: work done once per process (a static tree's index tables and masks, the drafter's fused
     weights) is not a cost of every step, and would otherwise land on whichever rule is counted first.
@@ -176,7 +176,7 @@ def run_count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, m
               config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
     """`inference.bench --count-ops`: aten ops and host syncs per speculative step, per phase, for every rule
     (`methods`, bench's parsed methods, and their built `rules`) x tree kind (or only `--tree`)."""
-    from inference.files import provenance, write_json
+    from inference.decoding.files import provenance, write_json
 
     if drafter is None:
         raise SystemExit("--count-ops needs --drafter")

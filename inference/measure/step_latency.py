@@ -12,7 +12,7 @@ projected speedup is
     tau x t(AR step) / t(speculative step),
     t(speculative step) = drafting + tree forward + target view + rule + bookkeeping.
 
-- t(AR step) and the tree forward: `inference.latency.measure_target_latency` at half an image of
+- t(AR step) and the tree forward: `inference.measure.latency.measure_target_latency` at half an image of
   context (the mean over a whole image), the tree forward over the decoder's own tree (the static
   list's shape, with the head at its nodes with children where the decoder runs it so; a dynamic tree's node
   count), aux streams on for an EAGLE-3 drafter;
@@ -51,18 +51,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inference.compiled import compile_decoding, decoding_mode
-from inference.drafter import Drafter
-from inference.latency import PROMPT, LatencyReport, format_latency, measure_target_latency, synthetic_tree
-from inference.latency import synchronized_clock as clock
-from inference.rules import Rule
-from inference.speculative import DecodeHooks, DecoderConfig, generate_speculative, inner_view_pays
-from inference.tree import Tree
-from inference.verify import TargetView, Verdict, verify
+from inference.decoding.compiled import compile_decoding, decoding_mode
+from inference.decoding.drafter import Drafter
+from inference.decoding.rules import Rule
+from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative, inner_view_pays
+from inference.decoding.tree import Tree
+from inference.decoding.verify import TargetView, Verdict, verify
+from inference.measure.latency import PROMPT, LatencyReport, format_latency, measure_target_latency, synthetic_tree
+from inference.measure.latency import synchronized_clock as clock
 from models.target import ImageTarget, SamplingDefaults
 
 PHASES = ("draft", "target", "view", "verify", "commit")
-"""The decode loop's phases (`inference.speculative.DecodeHooks`)."""
+"""The decode loop's phases (`inference.decoding.speculative.DecodeHooks`)."""
 DEFAULT_TAU = 3.5
 """The tau of the projected speedup when none is given (the toy's static tree accepts about 4)."""
 STAND_IN_CODE_WIDTH = 8
@@ -248,7 +248,8 @@ def measure_step_latency(
         context_tokens: image tokens in the cache for the AR step and the tree forward (None: half the image).
         seed: of the random tokens and the decodes.
         drafter_name: how the report names the drafter.
-        verifier: `inference.verify.verify` or its compiled form (`inference.compiled.compile_decoding`).
+        verifier: `inference.decoding.verify.verify` or its compiled form
+            (`inference.decoding.compiled.compile_decoding`).
     """
     config, settings = (config or DecoderConfig()).for_target(target), settings or target.sampling
     if not rules:
@@ -337,8 +338,8 @@ def stand_in_latent_table(target: ImageTarget, seed: int = 0) -> Tensor | None:
 def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--latency` argument group of `inference.bench`."""
     group = parser.add_argument_group(
-        "latency", "time a whole speculative step against an AR step (inference.step_latency; --target-only: "
-        "the target's AR step against one tree forward, inference.latency)",
+        "latency", "time a whole speculative step against an AR step (inference.measure.step_latency; --target-only: "
+        "the target's AR step against one tree forward, inference.measure.latency)",
     )  # fmt: skip
     group.add_argument("--latency", action="store_true", help="measure the latency of --target and stop")
     group.add_argument(
@@ -382,7 +383,7 @@ def _build_target(args: argparse.Namespace) -> ImageTarget:
 
 def _build_drafter(args: argparse.Namespace, target: ImageTarget) -> tuple[Drafter, str]:
     """--drafter's folder, or a random drafter of the target's preset (tiny for --size tiny)."""
-    from inference.eagle import EagleDrafter
+    from inference.decoding.eagle import EagleDrafter
 
     if args.drafter:
         return EagleDrafter.from_pretrained(args.drafter, target), str(args.drafter)
@@ -401,8 +402,8 @@ def run_latency_command(
 
     `rule_specs`: (label, rule name, options) of the rules to time (bench's parsed `--rules`).
     """
-    from inference.files import write_json
-    from inference.generate import build_rule, decoder_config
+    from inference.decoding.files import write_json
+    from inference.decoding.generate import build_rule, decoder_config
 
     if args.tau is not None and args.tau < 1.0:
         raise SystemExit(f"--tau counts accepted drafts + 1 per target forward: it must be >= 1, got {args.tau}")

@@ -1,0 +1,186 @@
+"""docs/results.md, rendered from the JSON the benchmark commands wrote: one command keeps the page true.
+
+    python -m inference.results                 # rewrite docs/results.md from docs/results/page.json
+    python -m inference.results --check         # exit 1 when the page is not what its sources render
+
+`docs/results/page.json` lists the page's sections in order; each names its kind and the JSON files (in
+`docs/results/`) a benchmark command wrote, copied there unchanged:
+
+- `decoding_table`: `python -m inference.decoding_table`'s `table.json`, one table per tree;
+- `drafters`: several decoding tables of the same grid, one per drafter, as one table (a row per drafter:
+  exact's and CASCADE's tau, speed and quality), and, where rows name an `arm`, each arm's mean and seed spread;
+- `signals`: `python -m inference.signals`'s `signals.json`, the AUC table;
+- `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step.
+
+A section may carry a `note` (Markdown, no figures: it explains how to read the table). Every table is
+printed under the command(s) that made it and the date, machine and commit from the JSON's `provenance`
+(`inference.decoding.files.provenance`); `tests/test_results_page.py` checks both, and that the page is rendered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from inference.decoding.files import write_atomic
+from inference.measure.report import format_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+PAGE = ROOT / "docs" / "results.md"
+HEADER = """# Results on the toy world
+
+Rendered by `python -m inference.results` from the JSON in `docs/results/` (the section list is
+`docs/results/page.json`); do not edit by hand. Each table stands under the command that made it, with
+the date, the machine and the commit it ran at. Settings were chosen on the tune captions (seed 11);
+the decoding tables report on captions of seed 2026, which chose nothing.
+"""
+
+
+def provenance_line(payload: dict[str, Any]) -> str:
+    """'2026-12-07, 2 CPU cores, no GPU, commit 7a13149': where a figure was made (its JSON's provenance)."""
+    record = payload.get("provenance")
+    if not record:
+        raise ValueError("a results source needs its provenance (date, machine, commit); rerun its command")
+    return f"{record['date']}, {record['machine']}, torch {record['torch']}, commit {record['commit']}."
+
+
+def _command_block(*commands: list[str]) -> list[str]:
+    return ["```bash", *(" ".join(command) for command in commands), "```", ""]
+
+
+def render_decoding_table(payload: dict[str, Any]) -> list[str]:
+    """One table per tree of a decoding-table run, each under the run's command."""
+    lines = []
+    for summary in payload["trees"]:
+        kind = summary["tree"]["tree"]
+        records = [r for r in payload["records"] if r["tree"] == kind]
+        table = format_markdown(records, payload["command"], summary).splitlines()
+        lines += [f"### Tree {kind}", "", *table[:5], provenance_line(payload), "", *table[5:], ""]
+    return lines
+
+
+def _by_rule(payload: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
+    """The first record of each series on tree `kind` (the grid's default setting of each rule)."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in payload["records"]:
+        if record["tree"] == kind:
+            found.setdefault(record["series"].split(" (")[0], record)
+    return found
+
+
+def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]], rules: list[str]) -> list[str]:
+    """A row per drafter: tau and quality of each rule in `rules` (the first is the reference); arm means after."""
+    kind = payloads[0]["trees"][0]["tree"]["tree"]
+    first, other = rules[0], rules[1:]
+    lines = _command_block(*(p["command"] for p in payloads))
+    dates = sorted({provenance_line(p) for p in payloads})
+    lines += [" ".join(dates), ""]
+    header = ["drafter", f"τ {first}", *(f"τ {rule} (x {first})" for rule in other), "speedup vs AR " +
+              " / ".join(rules), "prompt fidelity " + " / ".join(rules), "FID-style " + " / ".join(rules)]  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    taus: dict[str, dict[str, list[float]]] = {}
+    for source, payload in zip(sources, payloads, strict=True):
+        rows = _by_rule(payload, kind)
+        missing = [rule for rule in rules if rule not in rows]
+        if missing:
+            raise ValueError(f"{source['file']}: no {', '.join(missing)} row on tree {kind}")
+        base = rows[first]["tau"]
+        cells = [source["label"], f"{base:.2f}"]
+        cells += [f"{rows[rule]['tau']:.2f} ({rows[rule]['tau'] / base:.3f})" for rule in other]
+        cells.append(" / ".join(f"{rows[rule]['speedup_vs_ar']:.2f}x" for rule in rules))
+        cells.append(" / ".join(f"{rows[rule]['fidelity']:.3f}" for rule in rules))
+        cells.append(" / ".join(f"{rows[rule]['fid_vs_ar']:.1f}" for rule in rules))
+        lines.append("| " + " | ".join(cells) + " |")
+        if "arm" in source:
+            arm_taus = taus.setdefault(source["arm"], {rule: [] for rule in rules})
+            for rule in rules:
+                arm_taus[rule].append(rows[rule]["tau"])
+    lines.append("")
+    for arm, values in taus.items():  # each arm's mean over its seeds, and their spread (max - min)
+        figures = "; ".join(f"τ {rule} mean {statistics.fmean(v):.3f}, seed spread {max(v) - min(v):.3f}"
+                            for rule, v in values.items())  # fmt: skip
+        lines.append(f"- arm {arm} ({len(values[first])} seeds, rows above): {figures}")
+    lines += [""] if taus else []
+    return lines
+
+
+def render_signals(payload: dict[str, Any]) -> list[str]:
+    """The AUC table of a signal study, under its command."""
+    from inference.measure.signals import format_table
+
+    settings = payload["settings"]
+    lines = _command_block(payload["command"])
+    lines += [f"{settings['prompts']} captions, pixel threshold {settings['pixel_threshold']} grey levels. "
+              + provenance_line(payload), ""]  # fmt: skip
+    return lines + format_table(payload["records"]).replace("### Tree", "#### Tree").splitlines() + [""]
+
+
+def render_op_count(payload: dict[str, Any]) -> list[str]:
+    """Ops and host syncs per speculative step, by tree and phase, under the bench command."""
+    from inference.measure.cost import format_op_table
+
+    return [*_command_block(payload["command"]), provenance_line(payload), "", "```text",
+            format_op_table(payload["rows"]), "```", ""]  # fmt: skip
+
+
+def render_page(results: Path = RESULTS) -> str:
+    """The whole page from `results/page.json` and the JSON files it names."""
+    sections = json.loads((results / "page.json").read_text(encoding="utf-8"))
+    lines = [HEADER]
+    for section in sections:
+        lines += [f"## {section['title']}", ""]
+        if section.get("note"):
+            lines += [section["note"], ""]
+        kind = section["kind"]
+        if kind == "drafters":
+            payloads = [_load(results, source["file"]) for source in section["sources"]]
+            lines += render_drafters(section["sources"], payloads, section.get("rules", ["exact", "cascade"]))
+            continue
+        payload = _load(results, section["file"])
+        if kind == "decoding_table":
+            lines += render_decoding_table(payload)
+        elif kind == "signals":
+            lines += render_signals(payload)
+        elif kind == "op_count":
+            lines += render_op_count(payload)
+        else:
+            raise ValueError(f"{results / 'page.json'}: section {section['title']!r} has unknown kind {kind!r}")
+        if section.get("image"):
+            lines += [f"![{section['title']}]({section['image']})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _load(results: Path, name: str) -> dict[str, Any]:
+    path = results / name
+    try:
+        payload: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable results JSON ({error}); copy the command's output there") from None
+    if "command" not in payload:
+        raise ValueError(f"{path}: no 'command' field: every figure names the command that made it")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder with page.json and the JSON sources")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default docs/results.md)")
+    parser.add_argument("--check", action="store_true", help="only compare: exit 1 when the page differs")
+    args = parser.parse_args(argv)
+    page = render_page(args.results)
+    if args.check:
+        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        if current != page:
+            raise SystemExit(f"{args.out} is stale: rerun python -m inference.results (sources: {args.results})")
+        print(f"{args.out} is up to date")
+        return
+    write_atomic(args.out, page)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
