@@ -25,7 +25,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.decoding.files import write_json
-from inference.decoding.rules import CascadeRule
+from inference.decoding.rules import REPRESENTATIONS, CascadeRule
 from inference.decoding.similarity import centred_unit
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.decoding.tree import Tree
@@ -58,11 +58,13 @@ class SimilarityRecorder(DecodeHooks):
 
 
 def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConfig | None = None,
-              quantiles: dict[str, float] | None = None, seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Decode `prompts`, record the similarities and return the calibration record (thresholds at `quantiles`)."""
+              quantiles: dict[str, float] | None = None, seed: int = 0,
+              representation: str = "hidden") -> dict[str, Any]:  # fmt: skip
+    """Decode `prompts`, record the similarities of `representation` (`CascadeRule.representation`) and return
+    the calibration record (thresholds at `quantiles`)."""
     quantiles, config = quantiles or DEFAULT_QUANTILES, (config or DecoderConfig()).for_target(target)
     recorder = SimilarityRecorder()
-    rule = CascadeRule(delta=0.0)  # delta 0: exactly the exact rule, with the features computed
+    rule = CascadeRule(delta=0.0, representation=representation)  # delta 0: the exact rule, features computed
     for i, prompt in enumerate(tqdm(prompts, desc="calibrating", leave=False)):
         generator = torch.Generator(device=target.device).manual_seed(seed + i)
         generate_speculative(target, drafter, [prompt], rule, config, generator=generator, hooks=recorder)
@@ -70,7 +72,7 @@ def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConf
     levels = [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95]
     return {
         "target": target.name,
-        "representation": "hidden",
+        "representation": representation,
         "quantiles": quantiles,
         "tau_pos": float(sibling.quantile(quantiles["tau_pos"])),
         "tau_seq": float(parent.quantile(quantiles["tau_seq"])),
@@ -82,10 +84,9 @@ def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConf
     }
 
 
-def load_calibration(folder: Path | str | None, target_name: str) -> dict[str, float]:
-    """tau_pos / tau_seq from `folder/cascade_calibration.json`, {} when there is none.
-
-    A file written for another target is an error naming both."""
+def load_calibration(folder: Path | str | None, target_name: str) -> dict[str, Any]:
+    """tau_pos, tau_seq and the representation they were measured on, from `folder/cascade_calibration.json`;
+    {} when there is none. A file written for another target is an error naming both."""
     if folder is None:
         return {}
     path = Path(folder) / CALIBRATION_FILE
@@ -93,7 +94,9 @@ def load_calibration(folder: Path | str | None, target_name: str) -> dict[str, f
         return {}
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        recorded, values = record["target"], {"tau_pos": float(record["tau_pos"]), "tau_seq": float(record["tau_seq"])}
+        recorded = record["target"]
+        values = {"tau_pos": float(record["tau_pos"]), "tau_seq": float(record["tau_seq"]),
+                  "representation": str(record.get("representation", "hidden"))}  # fmt: skip
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a CASCADE calibration (needs target, tau_pos, tau_seq): {error}") from None
     if recorded != target_name:
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-seed", type=int, default=5, help="held-out toy captions drawn with this seed")
     parser.add_argument("--quantile-pos", type=float, default=DEFAULT_QUANTILES["tau_pos"])
     parser.add_argument("--quantile-seq", type=float, default=DEFAULT_QUANTILES["tau_seq"])
+    parser.add_argument(
+        "--representation",
+        default="hidden",
+        choices=REPRESENTATIONS,
+        help="the similarity features to calibrate; rules built with this drafter then use them",
+    )
     parser.add_argument("--out", type=Path, help=f"output file (default: DRAFTER/{CALIBRATION_FILE})")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing calibration file")
     args = parser.parse_args(argv)
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target = load_target(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
     prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
-    record = calibrate(target, drafter, prompts, quantiles={"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq})
+    quantiles = {"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq}
+    record = calibrate(target, drafter, prompts, quantiles=quantiles, representation=args.representation)
     record["command"] = ["python", "-m", "inference.calibrate", *(argv if argv is not None else sys.argv[1:])]
     write_json(record, out)
     print(

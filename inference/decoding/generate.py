@@ -40,7 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from inference.decoding.autoregressive import generate_ar
-from inference.decoding.calibrate import load_calibration
+from inference.decoding.calibrate import CALIBRATION_FILE, load_calibration
 from inference.decoding.compiled import add_compile_argument, compile_decoding
 from inference.decoding.files import write_atomic, write_json
 from inference.decoding.peer_rules import LANTERN_K, LANTERN_PP_K, LANTERN_PP_LAM, lantern_static_zeroes
@@ -147,8 +147,9 @@ def build_rule(
 ) -> Rule:
     """Verification rule `name` with its dataclass defaults, overridden by `options` (strings are parsed).
 
-    CASCADE's tau_pos / tau_seq come from `drafter_dir/cascade_calibration.json` when that file exists
-    (`inference.decoding.calibrate`; one written for another target is an error), unless `options` set them.
+    CASCADE's tau_pos / tau_seq and their representation come from `drafter_dir/cascade_calibration.json` when
+    that file exists (`inference.decoding.calibrate`; one written for another target is an error), unless
+    `options` set them; asking for another representation than the file's needs both thresholds given.
     LANTERN rules get the neighbour table of the target's `latent_table()`, its image tokenizer's VQ codebook
     as LANTERN's authors use it: the toy's PatchVQ (V x P*P*3 RGB patches), LlamaGen's VQ-16 and Janus-Pro's
     generation VQ-16 (16384 x 8), Lumina-mGPT's Chameleon VQGAN (8192 x 256, plus two far rows for its
@@ -170,8 +171,18 @@ def build_rule(
         if key not in known:
             raise ValueError(f"rule {name!r} has no field {key!r}; its fields: {', '.join(known) or 'none'}")
         values[key] = _convert(key, value, known[key]) if isinstance(value, str) else value
-    if name == "cascade":
-        values = {**load_calibration(drafter_dir, target.name), **values}
+    if name == "cascade":  # the calibration's thresholds hold for the features they were measured on
+        calibration = load_calibration(drafter_dir, target.name)
+        measured_on = calibration.get("representation", "hidden")
+        if calibration and values.get("representation", measured_on) != measured_on:
+            if not {"tau_pos", "tau_seq"} <= values.keys():
+                raise ValueError(
+                    f"{drafter_dir}/{CALIBRATION_FILE} holds thresholds for representation {measured_on!r}, not "
+                    f"{values['representation']!r}: give tau_pos and tau_seq, or recalibrate with python -m "
+                    f"inference.calibrate --representation {values['representation']} --overwrite"
+                )
+            calibration = {}
+        values = {**calibration, **values}
     if name == "gsd":  # LM ids where the target has them (Lumina-mGPT's Chameleon ids): GSD's id bound reads them
         embeddings = target.lm_embedding_table().float()  # float32 once here, not at every step's `prepare`
         token_ids = getattr(target, "token_ids", None)

@@ -112,6 +112,11 @@ class CascadeSets:
         return list(zip(self.candidates.unbind(2), self.pooled.unbind(2), self.eligible.unbind(2), strict=True))
 
 
+AUX_STREAMS = ("aux-low", "aux-mid", "aux-high")
+REPRESENTATIONS = ("hidden", *AUX_STREAMS, "logits", "probs")
+"""CASCADE's similarity features (`CascadeRule.representation`)."""
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CascadeRule:
     """CASCADE (cascade.md §4, Round 2 items 7-8): relaxed acceptance from the target's hidden states.
@@ -139,7 +144,11 @@ class CascadeRule:
     use_convergence: bool = True
     conv_mode: str = "sibling"
     representation: str = "hidden"
-    """Similarity features: "hidden" (cond-branch post-norm hidden, mean-centred), "logits" or "probs"."""
+    """Similarity features, mean-centred: "hidden" (cond-branch post-norm last hidden state), "aux-low",
+    "aux-mid" or "aux-high" (the cond branch's EAGLE-3 streams, `ImageTarget.aux_layer_ids`: the tree forward
+    returns them for an EAGLE-3 drafter anyway, and for this rule with any drafter), "logits" or "probs".
+    `python -m inference.signals` scores each against ground truth; a calibration file next to the drafter
+    sets it with its thresholds."""
     conf_gate: float | None = 0.8
     """Relax x only inside the target's 0.8 nucleus (the dev code's gate). The default: on the toy target's tune
     prompts (seed 11, static sampled tree) every ungated setting lost prompt fidelity (0.73-0.94 against exact's
@@ -153,8 +162,8 @@ class CascadeRule:
             raise ValueError(f"cascade delta is a TV budget in [0, 1], got {self.delta}")
         if self.conv_mode not in ("sibling", "path"):
             raise ValueError(f"conv_mode must be 'sibling' or 'path', got {self.conv_mode!r}")
-        if self.representation not in ("hidden", "logits", "probs"):
-            raise ValueError(f"representation must be hidden, logits or probs, got {self.representation!r}")
+        if self.representation not in REPRESENTATIONS:
+            raise ValueError(f"representation must be one of {', '.join(REPRESENTATIONS)}, got {self.representation!r}")
         if self.conf_gate is not None and not 0 < self.conf_gate <= 1:
             raise ValueError(f"conf_gate is a nucleus mass in (0, 1], got {self.conf_gate}")
 
@@ -263,7 +272,14 @@ Rule = ExactRule | LanternRule | GSDBlocksRule | GSDRule | CascadeRule | Cascade
 def needs_every_node(rule: Rule) -> bool:
     """Whether the rule reads the target at nodes without children: CASCADE's kl_gate (a child's distribution
     against its parent's) and its "probs"/"logits" similarity features. The others need it only at parents."""
-    return isinstance(rule, CascadeRule) and (rule.kl_gate is not None or rule.representation != "hidden")
+    return isinstance(rule, CascadeRule) and (rule.kl_gate is not None or rule.representation in ("logits", "probs"))
+
+
+def aux_stream(rule: Rule) -> int | None:
+    """Which EAGLE-3 stream (0 low, 1 mid, 2 high) CASCADE's similarity reads, None when it reads no stream."""
+    if isinstance(rule, CascadeRule) and rule.representation in AUX_STREAMS:
+        return AUX_STREAMS.index(rule.representation)
+    return None
 
 
 RULES: dict[str, type] = {

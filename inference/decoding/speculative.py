@@ -39,7 +39,7 @@ from torch import Tensor
 
 from inference.decoding.compiled import decoding_mode
 from inference.decoding.drafter import DraftContext, Drafter, to_rows
-from inference.decoding.rules import CascadeDevRule, CascadeRule, LanternRule, Rule, needs_every_node
+from inference.decoding.rules import CascadeDevRule, CascadeRule, LanternRule, Rule, aux_stream, needs_every_node
 from inference.decoding.sampling import draw_tokens, filter_logits, processed_distribution
 from inference.decoding.tree import (
     StaticTreeSpec,
@@ -217,6 +217,11 @@ def build_target_view(
     if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
         if rule.representation == "hidden":
             features = out.hidden[:batch]
+        elif (stream := aux_stream(rule)) is not None:  # one of the EAGLE-3 streams (R, N, 3D) -> (B, N, D)
+            if out.aux is None:
+                raise ValueError(f"cascade representation {rule.representation!r} needs the target's aux streams")
+            width = out.aux.shape[-1] // 3
+            features = out.aux[:batch, :, stream * width : (stream + 1) * width]
         elif rule.representation == "probs":
             features = probs
         else:  # "logits": the filtered guided logits, removed tokens at 0
@@ -392,7 +397,7 @@ def generate_speculative(
     capacity = target.prefix_length + num_tokens + config.num_nodes + num_tokens // 4 + width_max
     target_cache = target.allocate_cache(conditioning.rows, capacity)
     drafter_cache = drafter.allocate_cache(conditioning.rows, capacity)
-    use_aux = drafter.feature_source == "aux"
+    use_aux = drafter.feature_source == "aux" or aux_stream(rule) is not None
     prefix = target.prefill(conditioning, target_cache, return_aux=use_aux)
     drafter.prefill(conditioning, prefix, drafter_cache)
     token_zero = torch.zeros(batch, dtype=torch.long, device=prefix.logits.device)
