@@ -114,7 +114,9 @@ def render_signals(payload: dict[str, Any]) -> list[str]:
 
     settings = payload["settings"]
     lines = _command_block(payload["command"])
-    lines += [f"{settings['prompts']} captions, pixel threshold {settings['pixel_threshold']} grey levels. "
+    kept = settings.get("trees_per_image")
+    trees = f"{kept} verified trees per image, evenly spaced" if kept else "every verified tree"
+    lines += [f"{settings['prompts']} captions, {trees}, pixel threshold {settings['pixel_threshold']} grey levels. "
               + provenance_line(payload), ""]  # fmt: skip
     return lines + format_table(payload["records"]).replace("### Tree", "#### Tree").splitlines() + [""]
 

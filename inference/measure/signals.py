@@ -139,32 +139,40 @@ def node_states(target: ImageTarget, prompt: str, image: Tensor, trees: list[Rec
 
     Returns "low", "mid", "high" (aux streams), "last" (post-norm hidden), each (M, D), and "logits"
     (M, V): the guided logits predicting the node's next token. Nodes at the image's last position
-    predict nothing and get zeros (`usable_nodes` leaves them out).
+    predict nothing and get the last position's state (`usable_nodes` leaves them out). One teacher-forced
+    row per leaf, the committed tokens and the leaf's path, cut after the deepest state needed: every node
+    on that path reads its state off the same row (the states are causal).
     """
     num_tokens = target.geometry.num_tokens
-    sequences, rows = [], []
+    sequences: list[list[int]] = []
+    source_row, position = [], []  # per node: its leaf's row, and the index of its state in that row
     for tree in trees:
-        for node in range(tree.tokens.shape[0]):
-            path, current = [], node
-            while current > 0:
-                path.append(int(tree.tokens[current]))
-                current = int(tree.parents[current])
-            context = image[: tree.root_position + 1].tolist() + path[::-1]
-            row = min(len(context), num_tokens - 1)  # the state after the node's token predicts position `row`
-            sequences.append((context + [0] * num_tokens)[:num_tokens])
-            rows.append(row)
-    tokens = torch.tensor(sequences, dtype=torch.long)  # (M, G)
-    index = torch.tensor(rows)  # (M,)
+        parents = tree.parents.tolist()
+        has_child = set(parents[1:])
+        assigned = [-1] * len(parents)
+        for leaf in (n for n in range(len(parents)) if n not in has_child):
+            path, current = [], leaf
+            while current >= 0:
+                path.append(current)
+                current = parents[current]
+            for node in path:  # the leaf and its ancestors not yet given a row
+                if assigned[node] < 0:
+                    assigned[node] = len(sequences)
+            below_root = [int(tree.tokens[n]) for n in reversed(path[:-1])]  # top down
+            sequences.append(image[: tree.root_position + 1].tolist() + below_root)
+        source_row += assigned
+        position += [min(tree.root_position + int(d) + 1, num_tokens - 1) for d in tree.depths]
+    length = max(position) + 1  # the longest prefix any state needs
+    padded = torch.tensor([(seq + [0] * length)[:length] for seq in sequences], dtype=torch.long)  # (L, length)
     cfg = target.sampling.cfg_scale != 1.0
-    states = teacher_forced_states(target, [prompt] * len(sequences), tokens, aux=True, uncond=cfg)
-    pick = torch.arange(len(sequences), device=states.hidden.device), index.to(states.hidden.device)
+    states = teacher_forced_states(target, [prompt] * len(sequences), padded, aux=True, uncond=cfg)
+    device = states.hidden.device
+    pick = torch.tensor(source_row, device=device), torch.tensor(position, device=device)  # (M,) each
     aux = states.aux[pick].float() if states.aux is not None else None  # (M, 3D)
     last = states.hidden[pick]  # (M, D)
     heads = [last] + ([states.uncond_hidden[pick]] if cfg and states.uncond_hidden is not None else [])
     logits = target.image_head(torch.cat(heads))  # (R, V)
-    guided, _ = processed_distribution(
-        logits[:, None], target.sampling, cfg, target, index.to(logits.device)[:, None], unfiltered=True
-    )
+    guided, _ = processed_distribution(logits[:, None], target.sampling, cfg, target, pick[1][:, None], unfiltered=True)
     out = {"last": last.float().cpu(), "logits": guided[:, 0].float().cpu()}
     if aux is not None:
         for name, part in zip(LAYERS[:3], aux.chunk(3, dim=-1), strict=True):
@@ -301,8 +309,12 @@ class SignalStudy:
 def study_signals(
     target: ImageTarget, drafter: Any, prompts: list[str], configs: dict[str, DecoderConfig],
     pixel_threshold: float = DEFAULT_PIXEL_THRESHOLD, reader: Any | None = None, seed: int = 0,
+    trees_per_image: int | None = None,
 ) -> SignalStudy:  # fmt: skip
-    """Decode every prompt on every tree kind (exact rule), label the pairs and compute the signals."""
+    """Decode every prompt on every tree kind (exact rule), label the pairs and compute the signals.
+
+    `trees_per_image` keeps that many of an image's verified trees, evenly spaced over its steps (None: all):
+    the states cost one teacher-forced row per leaf, which on a 60-node dynamic tree is most of the time."""
     latent = target.latent_table().cpu() if _has_latent_table(target) else None
     num_tokens = target.geometry.num_tokens
     tables: dict[str, dict[str, PairTable]] = {}
@@ -318,6 +330,9 @@ def study_signals(
                 if tree.root_position < num_tokens and int(tree.tokens[0]) != int(image[tree.root_position]):
                     raise RuntimeError(f"tree root at position {tree.root_position} is not the committed token")
             trees = [t for t in recorder.trees if t.root_position < num_tokens - 1]
+            if trees_per_image is not None and len(trees) > trees_per_image:
+                keep = torch.linspace(0, len(trees) - 1, trees_per_image).round().long().tolist()
+                trees = [trees[i] for i in keep]
             collected.append((prompt, image, trees, node_states(target, prompt, image, trees)))
         # the run's statistics for the mean-removed and whitened views: every node of this tree kind
         pooled = {layer: torch.cat([c[3][layer] for c in collected]) for layer in LAYERS if layer in collected[0][3]}
@@ -335,6 +350,7 @@ def study_signals(
                         tables[tree_kind][kind].add(labels, signals)
                 offset += tree.tokens.shape[0]
     settings = {"target": target.name, "prompts": len(prompts), "pixel_threshold": pixel_threshold, "seed": seed,
+                "trees_per_image": trees_per_image,
                 "trees": {k: dataclasses.asdict(c) for k, c in configs.items()}}  # fmt: skip
     return SignalStudy(tables, settings)
 
@@ -416,6 +432,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--trees", default="static,dynamic", help="tree kinds: static, dynamic, dynamic-sampled")
     parser.add_argument("--pixel-threshold", type=float, default=DEFAULT_PIXEL_THRESHOLD,
                         help="interchangeable: RMS grey levels over a token's patch at most this")  # fmt: skip
+    parser.add_argument("--trees-per-image", type=int, default=8,
+                        help="verified trees kept per image, evenly spaced (0: all)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of caption i is seed + i")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, required=True, help="folder for signals.json, table.md, signals.png")
@@ -437,7 +455,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         raise SystemExit(f"target {args.target!r}: give --prompts-file (one caption a line); only the toy has its own")
     configs = {kind: DecoderConfig(tree=kind) for kind in args.trees.split(",")}
-    study = study_signals(target, drafter, prompts, configs, args.pixel_threshold, reader, args.seed)
+    study = study_signals(target, drafter, prompts, configs, args.pixel_threshold, reader, args.seed,
+                          args.trees_per_image or None)  # fmt: skip
     records = study.summary()
     command = ["python", "-m", "inference.signals", *(argv if argv is not None else sys.argv[1:])]
     args.out.mkdir(parents=True, exist_ok=True)
