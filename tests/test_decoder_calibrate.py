@@ -88,3 +88,20 @@ def test_a_calibration_sets_its_representation_and_refuses_another_without_thres
     assert (explicit.representation, explicit.tau_pos, explicit.tau_seq) == ("hidden", 0.5, 0.4)
     with pytest.raises(ValueError, match="representation must be one of"):
         CascadeRule(representation="aux-top")
+
+
+def test_the_latent_representation_reads_the_codes_of_the_tree_tokens(tiny_target):
+    drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
+    trees: list = []
+
+    class Both(StreamRecorder):
+        def on_verify(self, tree, view, verdict) -> None:
+            super().on_verify(tree, view, verdict)
+            trees.append(tree.tokens.clone())
+
+    recorder = Both()
+    rule = CascadeRule(delta=0.0, representation="latent")
+    generate_speculative(tiny_target, drafter, ["a big green square"], rule, DecoderConfig(tree="dynamic"),
+                         generator=torch.Generator().manual_seed(0), hooks=recorder)  # fmt: skip
+    for tokens, features in zip(trees, recorder.features, strict=True):
+        torch.testing.assert_close(features, tiny_target.latent_table()[tokens])

@@ -113,7 +113,7 @@ class CascadeSets:
 
 
 AUX_STREAMS = ("aux-low", "aux-mid", "aux-high")
-REPRESENTATIONS = ("hidden", *AUX_STREAMS, "logits", "probs")
+REPRESENTATIONS = ("hidden", *AUX_STREAMS, "latent", "logits", "probs")
 """CASCADE's similarity features (`CascadeRule.representation`)."""
 
 
@@ -146,7 +146,8 @@ class CascadeRule:
     representation: str = "hidden"
     """Similarity features, mean-centred: "hidden" (cond-branch post-norm last hidden state), "aux-low",
     "aux-mid" or "aux-high" (the cond branch's EAGLE-3 streams, `ImageTarget.aux_layer_ids`: the tree forward
-    returns them for an EAGLE-3 drafter anyway, and for this rule with any drafter), "logits" or "probs".
+    returns them for an EAGLE-3 drafter anyway, and for this rule with any drafter), "latent" (the tokens'
+    codes in `ImageTarget.latent_table()`, LANTERN's space: not the target's states), "logits" or "probs".
     `python -m inference.signals` scores each against ground truth; a calibration file next to the drafter
     sets it with its thresholds."""
     conf_gate: float | None = 0.8

@@ -200,6 +200,7 @@ def build_target_view(
     token_index: Tensor | None = None,
     nodes: Tensor | None = None,
     node_row: Tensor | None = None,
+    tokens: Tensor | None = None,
 ) -> TargetView:
     """Target distributions at the tree nodes, CFG rows combined. logits (R, N, V) -> probs (B, N, V).
 
@@ -207,7 +208,8 @@ def build_target_view(
     `constrain_logits` is applied right after CFG. Given `nodes` (I,), the tree's inner nodes (and
     `node_row`, `Tree.inner_row`), `out.logits` holds only their logits (R, I, V) (the forward's
     `logits_at`), and the view computes a leaf's distribution from `out.hidden` when a walk ends there.
-    Greedy LANTERN reads the unfiltered softmax of the guided logits (`greedy_reads_unfiltered`).
+    Greedy LANTERN reads the unfiltered softmax of the guided logits (`greedy_reads_unfiltered`). `tokens`
+    (B, N), the tree's tokens, give CASCADE's "latent" features.
     """
     index = None if token_index is None else select(token_index, nodes)
     unfiltered = greedy and greedy_reads_unfiltered(rule)
@@ -222,6 +224,10 @@ def build_target_view(
                 raise ValueError(f"cascade representation {rule.representation!r} needs the target's aux streams")
             width = out.aux.shape[-1] // 3
             features = out.aux[:batch, :, stream * width : (stream + 1) * width]
+        elif rule.representation == "latent":  # the tokens' codes in the target's latent table (LANTERN's space)
+            if tokens is None or target is None:
+                raise ValueError("cascade representation 'latent' needs the tree's tokens and the target")
+            features = target.latent_table()[tokens]  # (B, N, e)
         elif rule.representation == "probs":
             features = probs
         else:  # "logits": the filtered guided logits, removed tokens at 0
@@ -438,7 +444,9 @@ def generate_speculative(
             )  # step 3
         with hooks.phase("view"):
             predicted = (index + 1).clamp_max(num_tokens - 1)  # (B, N): the image index each node's output predicts
-            view = build_target_view(out, rule, settings, cfg, greedy, target, predicted, nodes, tree.inner_row)
+            view = build_target_view(
+                out, rule, settings, cfg, greedy, target, predicted, nodes, tree.inner_row, tree.tokens
+            )
         with hooks.phase("verify"):
             # drafts past the image end are never accepted; the limit only binds in a row's last steps
             near_end = most >= num_tokens - config.max_depth
