@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"{len(prompts)} prompts{repeated}, {len(methods)} methods, {elapsed:.0f} s; {TAU_DEFINITION}.")
     print(f"FID vs AR: {FID_NOTE}. Speedup: mean s/img of AR over the method's, same interleaved run.")
     summary: dict[str, Any] = {
-        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
+        "command": ["python", "-m", "inference.bench", *(sys.argv[1:] if argv is None else argv)],
         "target": args.target,
         "drafter": str(args.drafter) if args.drafter else None,
         "sampling": dataclasses.asdict(settings),

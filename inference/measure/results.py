@@ -9,6 +9,7 @@
 - `decoding_table`: `python -m inference.decoding_table`'s `table.json`, one table per tree;
 - `drafters`: several decoding tables of the same grid, one per drafter, as one table (a row per drafter:
   exact's and CASCADE's tau, speed and quality), and, where rows name an `arm`, each arm's mean and seed spread;
+- `bench`: `python -m inference.bench --out`'s JSON (a sweep or a set of rules), one table;
 - `signals`: `python -m inference.signals`'s `signals.json`, the AUC table;
 - `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step.
 
@@ -59,8 +60,15 @@ def render_decoding_table(payload: dict[str, Any]) -> list[str]:
         kind = summary["tree"]["tree"]
         records = [r for r in payload["records"] if r["tree"] == kind]
         table = format_markdown(records, payload["command"], summary).splitlines()
-        lines += [f"### Tree {kind}", "", *table[:5], provenance_line(payload), "", *table[5:], ""]
+        lines += [f"### Tree {kind}", "", *table[:5], provenance_line(payload), *table[5:], ""]
     return lines
+
+
+def render_bench(payload: dict[str, Any]) -> list[str]:
+    """One `inference.bench` run as a table under its command, with each rule's TV budget spent per step."""
+    table = format_markdown(payload["records"], payload["command"], payload).splitlines()
+    spent = ", ".join(f"{r['label']} {r['tv_charged_per_step']:.3f}" for r in payload["records"] if r["rule"] != "ar")
+    return [*table[:5], provenance_line(payload), *table[5:], "", f"TV budget spent per step: {spent}.", ""]
 
 
 def _by_rule(payload: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
@@ -145,6 +153,8 @@ def render_page(results: Path = RESULTS) -> str:
         payload = _load(results, section["file"])
         if kind == "decoding_table":
             lines += render_decoding_table(payload)
+        elif kind == "bench":
+            lines += render_bench(payload)
         elif kind == "signals":
             lines += render_signals(payload)
         elif kind == "op_count":

@@ -446,7 +446,7 @@ def run_latency_command(
     total = time.perf_counter() - started
     print(f"built the target in {built:.1f} s; {total:.1f} s in all")
     summary = {
-        "command": sys.argv if argv is None else ["python", "-m", "inference.bench", *argv],
+        "command": ["python", "-m", "inference.bench", *(sys.argv[1:] if argv is None else argv)],
         "random_weights": bool(args.random_weights),
         "size": args.size if args.random_weights else None,
         "build_seconds": built,
