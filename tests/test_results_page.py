@@ -9,7 +9,9 @@ import pytest
 
 from inference.measure.results import PAGE, RESULTS, render_page
 
-PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [^,]+, commit [0-9a-f]{7}")
+PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [0-9][^ ,;]*(, commit [0-9a-f]{7}|;|\.)")
+"""Date, machine, torch, and the commit, or (a table of several runs) no commit: each row's is in its JSON."""
+COMMIT = re.compile(r"\b[0-9a-f]{7}\b")
 
 
 def tables_without_provenance(page: str) -> list[str]:
@@ -48,6 +50,14 @@ def test_every_table_of_the_results_page_names_its_command_date_and_machine():
     page = PAGE.read_text(encoding="utf-8")
     assert page.count("\n|---") >= 3, "the results page has no tables to check"
     assert tables_without_provenance(page) == []
+
+
+def test_no_table_names_more_than_one_commit():
+    for section in PAGE.read_text(encoding="utf-8").split("\n## ")[1:]:
+        commits = {
+            c for line in section.splitlines() if not line.startswith(("|", "python ")) for c in COMMIT.findall(line)
+        }
+        assert len(commits) <= 1, f"section {section.splitlines()[0]!r} names commits {sorted(commits)}"
 
 
 def test_the_results_page_is_what_its_sources_render():
@@ -97,3 +107,17 @@ def test_a_source_without_provenance_or_command_is_refused(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(payload))
     with pytest.raises(ValueError, match="command"):
         render_page(tmp_path)
+
+
+def test_a_table_of_runs_at_several_commits_names_none(tmp_path):
+    sources = []
+    for name, commit in [("a", "abcdef1"), ("b", "1234567")]:
+        payload = _decoding_table({"exact": 3.0, "cascade": 3.1}, name)
+        payload["provenance"]["commit"] = commit
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+        sources.append({"label": name, "file": f"{name}.json"})
+    (tmp_path / "page.json").write_text(json.dumps([{"title": "D", "kind": "drafters", "sources": sources}]))
+    rendered = render_page(tmp_path)
+    assert "abcdef1" not in rendered and "1234567" not in rendered
+    assert "different commits, each in its JSON (a.json, b.json)" in rendered
+    assert tables_without_provenance(rendered) == []

@@ -49,6 +49,20 @@ def provenance_line(payload: dict[str, Any]) -> str:
     return f"{record['date']}, {record['machine']}, torch {record['torch']}, commit {record['commit']}."
 
 
+def _shared_provenance(payloads: list[dict[str, Any]], files: list[str]) -> str:
+    """One provenance line for a table whose rows come from several runs: the commit only when they share one
+    (a table names at most one commit); otherwise each row's stays in its JSON."""
+    for payload, name in zip(payloads, files, strict=True):
+        if not payload.get("provenance"):
+            raise ValueError(f"{name}: a results source needs its provenance (date, machine, commit); rerun it")
+    lines = {provenance_line(p) for p in payloads}
+    if len(lines) == 1:
+        return lines.pop()
+    records = [p["provenance"] for p in payloads]
+    where = sorted({f"{r['date']}, {r['machine']}, torch {r['torch']}" for r in records})
+    return "; ".join(where) + f". The rows ran at different commits, each in its JSON ({', '.join(files)})."
+
+
 def _command_block(*commands: list[str]) -> list[str]:
     return ["```bash", *(" ".join(command) for command in commands), "```", ""]
 
@@ -85,8 +99,7 @@ def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]
     kind = payloads[0]["trees"][0]["tree"]["tree"]
     first, other = rules[0], rules[1:]
     lines = _command_block(*(p["command"] for p in payloads))
-    dates = sorted({provenance_line(p) for p in payloads})
-    lines += [" ".join(dates), ""]
+    lines += [_shared_provenance(payloads, [source["file"] for source in sources]), ""]
     header = ["drafter", f"τ {first}", *(f"τ {rule} (x {first})" for rule in other), "speedup vs AR " +
               " / ".join(rules), "prompt fidelity " + " / ".join(rules), "FID-style " + " / ".join(rules)]  # fmt: skip
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
