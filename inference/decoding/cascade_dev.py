@@ -80,7 +80,7 @@ def dev_pairs(tree: Tree, threshold: float, shifted: bool) -> Tensor:
 class CascadeDevRule:
     """The CASCADE development code's rule as that code runs it: selinyldrm/Deepseek-JanusPro-EAGLE, commit 8c40c9c
     ("final cascade"), `models/ea_model_lumina_mgpt.py` (`evaluate_posterior`) with the pairs of `topK_generate`
-    in `models/drafters/cnets_lumina_mgpt.py` (cascade.md Round 3, item 11). A comparison rule: not the method,
+    in `models/drafters/cnets_lumina_mgpt.py` (cascade.md). A comparison rule: not the method,
     no TV budget. `tests/reference_cascade_dev.py` transcribes the code; tests/test_peer_authors_code.py holds the
     two to the same decisions.
 

@@ -1,4 +1,4 @@
-"""The peers' verification rules, as their authors' code does them (cascade.md Round 2, item 9, and Round 3, item 11):
+"""The peers' verification rules, as their authors' code does them (cascade.md, the baselines):
 LANTERN and LANTERN++ and GSD (GSD-blocks and the CASCADE development code's rule have modules of their own,
 `inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual or relax without a
 budget, so they carry no TV guarantee;
@@ -43,8 +43,7 @@ LANTERN_K = 1000
 LANTERN_DELTA = 0.1
 """LANTERN's delta: `lantern_delta=0.1`, the same function's default (cascade.md §5.2)."""
 LANTERN_PP_K = 10
-"""LANTERN++'s k: the CASCADE authors' baseline, `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5, Round 3
-item 11)."""
+"""LANTERN++'s k: the CASCADE authors' baseline, `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5)."""
 LANTERN_PP_LAM = 3.0
 """LANTERN++'s lam: the same baseline (its `--lantern_delta 3.0`; a delta above 1 is LANTERN++'s lam)."""
 LANTERN_PP_REPO_RUNS: tuple[tuple[int, float], ...] = ((10, 5.0), (5, 10.0), (5, 20.0))
@@ -222,7 +221,7 @@ class GSDState:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDRule:
     """Grouped speculative decoding as its authors' code does it (junhyukso/GSD,
-    `scheduler/jacobi_iteration_lumina_mgpt.py`, `SpeculativeSampler.__call__`; cascade.md Round 3, item 11).
+    `scheduler/jacobi_iteration_lumina_mgpt.py`, `SpeculativeSampler.__call__`; cascade.md).
 
     The authors sort the target's logits ascending and take the slice [r - 7, r + 7) around x's place r: in
     descending ranks d, the window [d - 6, d + 7] (W = 14: W - 1 - W//2 more likely tokens, x, W//2 less likely

@@ -16,7 +16,7 @@ for sampled trees, static or dynamic (tested by enumeration in tests/test_decode
 
 This module holds exact and CASCADE and the registry of every rule. The peer rules (LANTERN, LANTERN++,
 the two GSD rules, the CASCADE development code's rule: `inference.decoding.peer_rules` and
-`inference.decoding.gsd_blocks`, re-exported here) follow their authors' code (cascade.md Round 2, item 9),
+`inference.decoding.gsd_blocks`, re-exported here) follow their authors' code (cascade.md),
 residual modifications included, and carry no such guarantee.
 
 Shapes: B rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary,
@@ -119,7 +119,7 @@ REPRESENTATIONS = ("hidden", *AUX_STREAMS, "latent", "logits", "probs")
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CascadeRule:
-    """CASCADE (cascade.md §4, Round 2 items 7-8): relaxed acceptance from the target's hidden states.
+    """CASCADE (cascade.md §4): relaxed acceptance from the target's hidden states.
 
     For the c-th child x of node u, with F the target's features at the nodes:
     - interchangeability I(x): siblings m of x with sim(F[x], F[m]) >= tau_pos (breadth);

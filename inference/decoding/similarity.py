@@ -1,4 +1,4 @@
-"""Similarity and distribution measures of the CASCADE-family rules (cascade.md §4.1, Round 2 item 8).
+"""Similarity and distribution measures of the CASCADE-family rules (cascade.md §4.1).
 
 Mean-centred cosine similarity of hidden states (and its unit vectors, whose dot products are the
 cosines), the KL divergence between target distributions, and the mass above a token, which says whether it lies in

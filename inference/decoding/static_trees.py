@@ -68,7 +68,7 @@ def check_static_paths(paths: tuple[tuple[int, ...], ...], where: str = "static 
 
     Why the sibling: node (..., c) receives its parent's (c + 1)-th draw without replacement, but verification
     tests a child against q with only the *listed* earlier siblings removed
-    (`inference.decoding.verify.draw_probabilities`, recursive rejection sampling; cascade.md Round 3, item 12).
+    (`inference.decoding.verify.draw_probabilities`, recursive rejection sampling; cascade.md).
     With a hole the draw before it was taken from q and never tested, so even `exact` is lossy: V = 3, p uniform,
     q = (0.6, 0.3, 0.1) and the list ((0,), (2,)) emit (0.333, 0.311, 0.356), TV 0.022.
 
