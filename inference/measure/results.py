@@ -130,16 +130,19 @@ def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]
 
 
 def render_signals(payload: dict[str, Any]) -> list[str]:
-    """The AUC table of a signal study, under its command."""
+    """The AUC table of a signal study, one per tree kind, each under the study's command."""
     from inference.measure.signals import format_table
 
     settings = payload["settings"]
-    lines = _command_block(payload["command"])
     kept = settings.get("trees_per_image")
     trees = f"{kept} verified trees per image, evenly spaced" if kept else "every verified tree"
-    lines += [f"{settings['prompts']} captions, {trees}, pixel threshold {settings['pixel_threshold']} grey levels. "
-              + provenance_line(payload), ""]  # fmt: skip
-    return lines + format_table(payload["records"]).replace("### Tree", "#### Tree").splitlines() + [""]
+    about = [f"{settings['prompts']} captions, {trees}, pixel threshold {settings['pixel_threshold']} grey levels. "
+             + provenance_line(payload), ""]  # fmt: skip
+    lines: list[str] = []
+    for block in format_table(payload["records"]).split("### Tree ")[1:]:  # "kind\n\n| table |..."
+        kind, table = block.split("\n", 1)
+        lines += [f"### Tree {kind}", "", *_command_block(payload["command"]), *about, *table.strip().splitlines(), ""]
+    return lines
 
 
 def render_op_count(payload: dict[str, Any]) -> list[str]:
