@@ -133,6 +133,59 @@ def test_reweighting_changes_only_the_soft_ce():
     assert weighted.convergent_fraction > 0 and plain.convergent_fraction == 0
 
 
+def test_centred_convergence_ignores_a_shared_offset():
+    # two states that share a large common offset: raw cosine 0.995, mean-centred cosine -1/3
+    features = torch.tensor([[[10.0, 10.0, 11.0, 10.0], [10.0, 11.0, 10.0, 10.0]]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert convergent_positions(features, mask, 0.9).tolist() == [[True, False]]
+    assert convergent_positions(features, mask, 0.9, centred=True).tolist() == [[False, False]]
+    assert convergent_positions(features, mask, -0.3, centred=True).tolist() == [[False, False]]
+    assert convergent_positions(features, mask, -0.34, centred=True).tolist() == [[True, False]]
+    features[0, 1] = torch.tensor([20.0, 20.0, 22.0, 20.0])  # the same centred direction, another offset
+    assert convergent_positions(features, mask, 0.99, centred=True).tolist() == [[True, False]]
+
+
+@pytest.mark.parametrize("source, stream", [("aux-low", 0), ("aux-mid", 1), ("aux-high", 2)])
+def test_convergence_source_reads_its_stream_on_both_branches(source, stream):
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle3"))
+    d = target.hidden_size
+    batch = _batch(target, uncond=True)
+    columns = slice(stream * d, (stream + 1) * d)
+    batch["aux"][0, 8, columns] = batch["aux"][0, 3, columns]  # cond branch: position 3 recurs in this stream
+    batch["uncond_aux"][1, 9, columns] = batch["uncond_aux"][1, 2, columns]  # uncond branch: position 2 recurs
+    config = ObjectiveConfig(ttt_steps=1, convergence_weight=2.0, convergence_tau=0.99, convergence_source=source)
+    out = drafter_objective(model, target, batch, config, training=False)
+    hidden_config = ObjectiveConfig(ttt_steps=1, convergence_weight=2.0, convergence_tau=0.99)
+    by_hidden = drafter_objective(model, target, batch, hidden_config, training=False)
+    counted = int(out.tokens)
+    assert by_hidden.convergent_fraction == 0  # random hidden states: nothing recurs
+    assert out.convergent_fraction.item() == pytest.approx(1 / counted)  # the cond row's target 3 (from row 2)
+    cfg = ObjectiveConfig(
+        ttt_steps=1, convergence_weight=2.0, convergence_tau=0.99, convergence_source=source, cfg_loss_weight=1.0
+    )
+    plain = ObjectiveConfig(ttt_steps=1, convergence_weight=1.0, cfg_loss_weight=1.0, convergence_source=source)
+    weighted, unweighted = (drafter_objective(model, target, batch, c, training=False) for c in (cfg, plain))
+    assert weighted.cfg_ce[0] > unweighted.cfg_ce[0]  # both branches' recurrences reweight the guided loss
+    other = "aux-high" if source != "aux-high" else "aux-low"
+    elsewhere = ObjectiveConfig(ttt_steps=1, convergence_weight=2.0, convergence_tau=0.99, convergence_source=other)
+    assert drafter_objective(model, target, batch, elsewhere, training=False).convergent_fraction == 0
+
+
+def test_convergence_source_needs_the_streams_and_a_known_name():
+    target = build_tiny_toy_target()
+    model = EagleDraftModel(drafter_preset("tiny", "eagle1"))
+    batch = _batch(target, uncond=False)
+    del batch["aux"]
+    config = ObjectiveConfig(ttt_steps=1, convergence_source="aux-low")
+    with pytest.raises(ValueError, match="data.load_aux: true"):
+        drafter_objective(model, target, batch, config, training=False)
+    off = ObjectiveConfig(ttt_steps=1, convergence_source="aux-low", convergence_weight=1.0)
+    assert drafter_objective(model, target, batch, off, training=False).convergent_fraction == 0  # off: not read
+    with pytest.raises(ValueError, match="convergence_source='last'"):
+        ObjectiveConfig(convergence_source="last")
+
+
 def test_cfg_loss_runs_both_branches_and_needs_unconditional_features():
     target = build_tiny_toy_target()
     model = EagleDraftModel(drafter_preset("tiny", "eagle3"))

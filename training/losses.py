@@ -38,12 +38,16 @@ def feature_regression_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> 
     return (per_position * mask).sum() / masked_mean_denominator(mask)
 
 
-def convergent_positions(features: Tensor, mask: Tensor, tau: float) -> Tensor:
+def convergent_positions(features: Tensor, mask: Tensor, tau: float, centred: bool = False) -> Tensor:
     """CASCADE's convergence region: positions whose feature has cosine > tau with any LATER valid position.
 
-    features (B, L, D), mask (B, L) bool -> (B, L) bool (False outside the mask).
+    features (B, L, D), mask (B, L) bool -> (B, L) bool (False outside the mask). centred: compare the
+    mean-centred cosine (each vector minus its own mean over D, as CASCADE's decoder does) instead of the raw one.
     """
-    unit = F.normalize(features.float(), dim=-1)
+    feats = features.float()
+    if centred:
+        feats = feats - feats.mean(-1, keepdim=True)
+    unit = F.normalize(feats, dim=-1)
     similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
     length = features.shape[1]
     later = torch.ones(length, length, dtype=torch.bool, device=features.device).triu(1)
@@ -51,11 +55,11 @@ def convergent_positions(features: Tensor, mask: Tensor, tau: float) -> Tensor:
     return pairs.any(-1)
 
 
-def convergence_weights(features: Tensor, mask: Tensor, tau: float, weight: float) -> Tensor:
+def convergence_weights(features: Tensor, mask: Tensor, tau: float, weight: float, centred: bool = False) -> Tensor:
     """Per-position soft-CE weights: mask x (1 + convergent x (weight - 1)). weight = 1 turns reweighting off."""
     if weight == 1.0:
         return mask.float()
-    convergent = convergent_positions(features, mask, tau)
+    convergent = convergent_positions(features, mask, tau, centred)
     return mask.float() * (1.0 + convergent.float() * (weight - 1.0))
 
 

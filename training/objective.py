@@ -4,7 +4,8 @@ the benchmark's plain PyTorch loop and the tests.
 Alignment (data/shards.py): row j of a sample's features is the target state that predicted image
 token j, so head(hidden[j]) is token j's target logits. Drafter element t reads (feature t, token t)
 and, at unrolled step k, token t + k; it predicts token t + k + 1, whose target distribution is
-softmax(head(hidden[t + k + 1])) and whose CASCADE weight comes from hidden[t + k + 1].
+softmax(head(hidden[t + k + 1])) and whose CASCADE weight comes from row t + k + 1 of the convergence
+source: hidden by default, or one of EAGLE-3's streams (`convergence_source`).
 
 CFG (design.md "Drafters"): the target samples from u + s (c - u). With `cfg_loss_weight` > 0 the
 drafter runs both branches ([cond; uncond] rows, the unconditional rows reading the stored
@@ -46,6 +47,9 @@ from training.losses import (
     uniform_feature_noise,
 )
 
+CONVERGENCE_SOURCES = ("hidden", "aux-low", "aux-mid", "aux-high")
+"""The states that can define CASCADE's convergence region: the last hidden state or an EAGLE-3 stream."""
+
 FORBIDDEN_LOGIT = -1.0e4
 """Target logit of a token the layout forbids (finite, so CFG and soft cross-entropy never meet inf - inf)."""
 
@@ -70,6 +74,12 @@ class ObjectiveConfig:
     """CASCADE: cosine threshold for a position to count as convergent."""
     convergence_weight: float = 2.0
     """CASCADE: soft-CE weight multiplier at convergent positions; 1.0 turns reweighting off."""
+    convergence_source: str = "hidden"
+    """CASCADE: the states that define the convergence region. "hidden": the last hidden state, raw cosine (the
+    recipe of cascade.md §3.4). "aux-low" | "aux-mid" | "aux-high": one of the EAGLE-3 streams (needs the aux
+    features in the batch, `data.load_aux: true`), mean-centred cosine as CASCADE's decoder compares them;
+    `python -m inference.signals` ranks them against ground truth (docs/signals.md). convergence_tau is read on
+    that source's scale."""
     uncond_rate: float = 0.0
     """Probability of training a sample on its unconditional branch instead (needs unconditional features)."""
     cfg_loss_weight: float = 0.0
@@ -95,6 +105,10 @@ class ObjectiveConfig:
             )
         if self.convergence_weight <= 0:
             raise ValueError(f"convergence_weight must be > 0 (1.0 = off), got {self.convergence_weight}")
+        if self.convergence_source not in CONVERGENCE_SOURCES:
+            raise ValueError(
+                f"objective.convergence_source={self.convergence_source!r} is not one of {list(CONVERGENCE_SOURCES)}"
+            )
 
 
 @dataclass
@@ -118,6 +132,20 @@ class ObjectiveOutput:
 def feature_key(model: EagleDraftModel) -> str:
     """The batch field a drafter reads: EAGLE-1 `hidden`, EAGLE-3 `aux`."""
     return "hidden" if model.config.architecture == "eagle1" else "aux"
+
+
+def convergence_stream(batch: dict, field: str, source: str, device: torch.device) -> Tensor:
+    """The EAGLE-3 stream named by `source` from batch[field] (B, L, 3D, streams low|mid|high) -> (B, L, D)."""
+    if field not in batch:
+        raise ValueError(
+            f"objective.convergence_source={source!r} reads the EAGLE-3 streams, but the batch has no {field!r}: "
+            "set data.load_aux: true (offline data needs an extraction with store_aux: true), or set "
+            "objective.convergence_source: hidden"
+        )
+    aux = batch[field].to(device)
+    width = aux.shape[-1] // 3
+    stream = CONVERGENCE_SOURCES.index(source) - 1  # 0 low, 1 mid, 2 high
+    return aux[..., stream * width : (stream + 1) * width]
 
 
 def drafter_objective(
@@ -154,15 +182,21 @@ def drafter_objective(
             "extract with store_uncond: true and set data.load_uncond: true, or set both to 0"
         )
     both = has_uncond and (config.cfg_loss_weight > 0 or not training)
+    source = config.convergence_source if config.convergence_weight != 1.0 else "hidden"
+    region = None if source == "hidden" else convergence_stream(batch, "aux", source, device)  # (B, L, D)
     if both:
         features = torch.cat([features, batch[uncond_key].to(device)])
         hidden = torch.cat([hidden, batch["uncond_hidden"].to(device)])
         tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])
+        if region is not None:
+            region = torch.cat([region, convergence_stream(batch, "uncond_aux", source, device)])
     elif training and config.uncond_rate > 0:
         swap = torch.rand(batch_size, generator=generator, device=generator.device if generator else None)
         swap = (swap < config.uncond_rate).to(device)[:, None, None]
         features = torch.where(swap, batch[uncond_key].to(device), features)
         hidden = torch.where(swap, batch["uncond_hidden"].to(device), hidden)
+        if region is not None:
+            region = torch.where(swap, convergence_stream(batch, "uncond_aux", source, device), region)
 
     steps = config.ttt_steps if training else max(config.ttt_steps, config.eval_steps)
     num_tokens = target.geometry.num_tokens
@@ -179,7 +213,13 @@ def drafter_objective(
     with torch.no_grad():
         head_dtype = target.image_head_weight().dtype
         target_logits = target.image_head(hidden.to(head_dtype)).float()  # (R, L, V)
-        weights = convergence_weights(hidden, mask, config.convergence_tau, config.convergence_weight)  # (R, L)
+        weights = convergence_weights(  # (R, L)
+            hidden if region is None else region,
+            mask,
+            config.convergence_tau,
+            config.convergence_weight,
+            centred=region is not None,
+        )
     reduced = model.config.draft_vocab != model.config.vocab_size
     scale = target.sampling.cfg_scale if config.cfg_scale is None else config.cfg_scale
 
