@@ -1,0 +1,225 @@
+"""Which states mark CASCADE's convergence region in the training data, scored against the decoded image.
+
+    python -m training.convergence_region --config demo --batches 16 --out outputs/convergence_region
+
+The objective doubles the soft cross-entropy of a position whose state has cosine > `convergence_tau` with
+some later position's state (`training/losses.py`, cascade.md §3.4): a region where the image repeats itself.
+This command checks that premise on the fit config's own training batches, with the states the objective
+reads (stored, or computed online by the frozen target as in training). Ground truth comes from the target's
+image decoder, which no decode-time signal sees:
+
+- a position is **convergent** when its token's patch of the decoded image lies within `--pixel-threshold`
+  grey levels (root mean square over the patch) of the patch of a later token of the same image: the
+  signal study's "interchangeable" label (docs/signals.md), between positions instead of between drafts.
+  On the toy's patch VQ a patch depends on its token only; on a convolutional decoder it is a stand-in.
+
+Each candidate state (the last hidden state, and each EAGLE-3 stream when the batch has them), compared by
+raw and by mean-centred cosine, scores a position by its largest similarity to a later position. The table
+gives its ROC AUC against the label, the share of truly convergent positions, and for the config's own
+`convergence_source` and `convergence_tau` the share flagged with its precision and recall, next to the
+threshold of every other candidate that flags the same share. Writes `convergence_region.json` (with the
+command and provenance) and `table.md` into `--out`.
+
+Shapes: B samples, L positions, D state width, G image tokens, C values per patch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import Tensor
+from tqdm import tqdm
+
+from data.drafter_data import DrafterDataModule
+from data.extract_config import resolve_config_path
+from inference.decoding.files import provenance, write_atomic, write_json
+from inference.measure.signals import DEFAULT_PIXEL_THRESHOLD, roc_auc
+from models.target import ImageTarget
+from training.losses import convergent_positions
+from training.objective import CONVERGENCE_SOURCES, ObjectiveConfig, convergence_stream
+from training.system import DrafterSystem, OptimizerConfig
+
+COMPARISONS = ("raw", "centred")
+
+
+def token_patches(target: ImageTarget, tokens: Tensor) -> Tensor:
+    """(B, G) image tokens -> (B, G, C) float grey levels of each token's patch of the decoded image."""
+    images = target.decode_images(tokens).float()  # (B, H, W, 3)
+    rows, cols = target.geometry.grid
+    batch, height, width, channels = images.shape
+    blocks = images.view(batch, rows, height // rows, cols, width // cols, channels)
+    return blocks.permute(0, 1, 3, 2, 4, 5).reshape(batch, rows * cols, -1)
+
+
+def later_pairs(mask: Tensor) -> Tensor:
+    """(B, L) bool -> (B, L, L) bool: (t, u) with u > t and both counted."""
+    length = mask.shape[1]
+    later = torch.ones(length, length, dtype=torch.bool, device=mask.device).triu(1)
+    return later & mask[:, :, None] & mask[:, None, :]
+
+
+def convergent_truth(patches: Tensor, mask: Tensor, pixel_threshold: float) -> Tensor:
+    """(B, L) bool: a later counted position's patch lies within pixel_threshold grey levels RMS of this one's."""
+    rms = torch.cdist(patches.double(), patches.double()) / patches.shape[-1] ** 0.5  # (B, L, L)
+    return ((rms <= pixel_threshold) & later_pairs(mask)).any(-1)
+
+
+def later_similarity(features: Tensor, mask: Tensor, centred: bool) -> Tensor:
+    """(B, L): the largest cosine of a position's state with a later counted one's (-2 where there is none)."""
+    states = features.double()
+    if centred:
+        states = states - states.mean(-1, keepdim=True)
+    unit = F.normalize(states, dim=-1)
+    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
+    return similarity.masked_fill(~later_pairs(mask), -2.0).amax(-1)
+
+
+def candidate_states(batch: dict[str, Any]) -> dict[str, Tensor]:
+    """The states a convergence source can read: `hidden`, and the EAGLE-3 streams when the batch has `aux`."""
+    sources = [s for s in CONVERGENCE_SOURCES if s == "hidden" or "aux" in batch]
+    return {s: batch["hidden"] if s == "hidden" else convergence_stream(batch, "aux", s, batch["hidden"].device)
+            for s in sources}  # fmt: skip
+
+
+@dataclass
+class RegionStudy:
+    """Labels and scores of every scored position, gathered batch by batch."""
+
+    objective: ObjectiveConfig
+    pixel_threshold: float = DEFAULT_PIXEL_THRESHOLD
+    labels: list[Tensor] = field(default_factory=list)
+    scores: dict[str, list[Tensor]] = field(default_factory=dict)
+    flagged: list[Tensor] = field(default_factory=list)
+
+    def add(self, target: ImageTarget, batch: dict[str, Any]) -> None:
+        """Score one batch (tokens, loss_mask and its states, conditional branch)."""
+        tokens, mask = batch["tokens"], batch["loss_mask"].bool()
+        if tokens.shape[1] != target.geometry.num_tokens:  # pad to a whole image for the decoder
+            tokens = F.pad(tokens, (0, target.geometry.num_tokens - tokens.shape[1]))
+        scored = mask & later_pairs(mask).any(-1)  # positions with something later to match
+        truth = convergent_truth(token_patches(target, tokens.cpu())[:, : mask.shape[1]], mask.cpu(),
+                                 self.pixel_threshold)  # fmt: skip
+        self.labels.append(truth[scored.cpu()].double())
+        states = candidate_states(batch)
+        for source, features in states.items():
+            for comparison in COMPARISONS:
+                score = later_similarity(features, mask, comparison == "centred").cpu()
+                self.scores.setdefault(f"{source} {comparison}", []).append(score[scored.cpu()])
+        own = states[self.objective.convergence_source]
+        centred = self.objective.convergence_source != "hidden"
+        flagged = convergent_positions(own, mask, self.objective.convergence_tau, centred).cpu()
+        self.flagged.append(flagged[scored.cpu()].double())
+
+    def summary(self) -> dict[str, Any]:
+        """AUC per candidate, the truly convergent share, and the config's threshold against the label."""
+        if not self.labels:
+            raise ValueError("no batch was scored")
+        labels, flagged = torch.cat(self.labels), torch.cat(self.flagged)
+        share = float(flagged.mean())
+        candidates = {}
+        for name, parts in self.scores.items():
+            scores = torch.cat(parts)
+            # the threshold that flags the same share as the config's: the (1 - share) quantile of the scores
+            matched = float(scores.quantile(1 - share)) if 0 < share < 1 else None
+            candidates[name] = {"auc": roc_auc(scores, labels), "threshold_same_share": matched}
+        hits = float((flagged * labels).sum())
+        own = self.objective.convergence_source + (
+            " centred" if self.objective.convergence_source != "hidden" else " raw"
+        )
+        return {
+            "positions": int(labels.numel()),
+            "convergent_share": float(labels.mean()),
+            "pixel_threshold": self.pixel_threshold,
+            "config": {
+                "source": own,
+                "tau": self.objective.convergence_tau,
+                "flagged_share": share,
+                "precision": hits / max(float(flagged.sum()), 1.0),
+                "recall": hits / max(float(labels.sum()), 1.0),
+            },  # fmt: skip
+            "candidates": candidates,
+        }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as Markdown: one row per candidate, then the config's threshold."""
+    config = summary["config"]
+    lines = [
+        f"{summary['positions']} positions; truly convergent (a later patch within "
+        f"{summary['pixel_threshold']:g} grey levels RMS): {summary['convergent_share']:.3f}",
+        "",
+        "| state, cosine | AUC | threshold flagging the config's share |",
+        "|---|---|---|",
+    ]
+    for name, row in summary["candidates"].items():
+        auc = "-" if row["auc"] is None else f"{row['auc']:.3f}"
+        matched = "-" if row["threshold_same_share"] is None else f"{row['threshold_same_share']:.3f}"
+        lines.append(f"| {name} | {auc} | {matched} |")
+    lines += [
+        "",
+        f"The config's region ({config['source']} cosine > {config['tau']:g}) flags {config['flagged_share']:.3f} "
+        f"of the positions: precision {config['precision']:.3f}, recall {config['recall']:.3f}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.convergence_region", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--config", default="demo", help="fit config: a name in configs/ or a path (default demo)")
+    parser.add_argument("--train-dir", help="the dataset (default: the config's data.train_dir)")
+    parser.add_argument("--batches", type=int, default=16, help="training batches scored (default 16)")
+    parser.add_argument("--pixel-threshold", type=float, default=DEFAULT_PIXEL_THRESHOLD,
+                        help="grey levels RMS under which two patches count as alike (default 10)")  # fmt: skip
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, help="folder for convergence_region.json and table.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = yaml.safe_load(resolve_config_path(args.config).read_text())
+    model, data = config["model"], config["data"]
+    objective = ObjectiveConfig(**model.get("objective", {}))
+    settings = {k: v for k, v in model.items() if k not in ("objective", "optimizer")}  # target, preset, ...
+    system = DrafterSystem(**settings, objective=objective, optimizer=OptimizerConfig(**model.get("optimizer", {})))
+    datamodule = DrafterDataModule(
+        train_dir=args.train_dir or data["train_dir"], batch_size=data.get("batch_size", 16), target=model["target"],
+        load_aux=data.get("load_aux", True), load_uncond=False, features=data.get("features", "offline"),
+    )  # fmt: skip
+    datamodule.setup("fit")
+    system.setup("fit")
+    target = system.frozen_target
+    assert target is not None
+    study = RegionStudy(objective, args.pixel_threshold)
+    with torch.no_grad():
+        for batch in tqdm(itertools.islice(datamodule.train_dataloader(), args.batches), total=args.batches,
+                          desc="batches", file=sys.stderr):  # fmt: skip
+            study.add(target, system.on_after_batch_transfer(batch, 0))
+    summary = study.summary()
+    table = format_table(summary)
+    print(table, end="")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = ["python", "-m", "training.convergence_region", *(sys.argv[1:] if argv is None else argv)]
+        write_json({"command": command, "provenance": provenance(), "config": args.config, **summary},
+                   args.out / "convergence_region.json")  # fmt: skip
+        write_atomic(args.out / "table.md", f"```\n{' '.join(command)}\n```\n\n{table}")
+        print(f"wrote {args.out}/convergence_region.json and table.md")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
