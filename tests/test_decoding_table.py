@@ -63,6 +63,25 @@ def test_bad_requests_are_refused_before_decoding(drafter, tmp_path, extra, mess
     assert not (tmp_path / "t").exists()
 
 
+def test_a_static_tree_file_replaces_the_default_and_a_tree_with_a_hole_is_refused(drafter, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([{"series": "exact", "rule": "exact"}]))
+    tree = tmp_path / "fitted.json"
+    tree.write_text(json.dumps({"paths": [[0], [1], [0, 0]]}))
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--grid", str(grid), "--num-prompts", "1",
+            "--trees", "static", "--out", str(tmp_path / "t")]  # fmt: skip
+    main([*argv, "--static-tree", str(tree)])
+    saved = json.loads((tmp_path / "t" / "table.json").read_text())
+    assert saved["trees"][0]["tree"]["static_tree"] == str(tree)
+    assert f"### Tree static {tree} (4 nodes)" in (tmp_path / "t" / "table.md").read_text()
+    tree.write_text(json.dumps({"paths": [[0], [2]]}))  # (1,) is missing: the hole cascade.md forbids
+    with pytest.raises(SystemExit, match=r"--static-tree .*fitted.json.*\(1,\)"):
+        main([*argv[:-2], "--out", str(tmp_path / "u"), "--static-tree", str(tree)])
+    with pytest.raises(SystemExit, match="has none"):
+        main([*argv[:-4], "--trees", "dynamic", "--out", str(tmp_path / "u"), "--static-tree", str(tree)])
+    assert not (tmp_path / "u").exists()
+
+
 def test_the_shipped_grid_lists_lanterns_published_settings():
     """configs/decoding_table.json (and bench's SWEEP_GRID) run LANTERN++ at the CASCADE authors' baseline (k 10,
     lam 3) and at the LANTERN repository's own runs (run.sh: k 10 lam 5, k 5 lam 10, k 5 lam 20)."""

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of caption i is seed + i")
     parser.add_argument("--repeats", type=int, default=1, help="decodes per (caption, method); time = their median")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--static-tree", help="the static tree: a name (models' trees) or a JSON file of paths, such "
+                        "as `inference.tree_fit` writes (default: the target's default_static_tree)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder for table.md, table.json, tau_quality.png")
     return parser
 
@@ -67,6 +69,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(f"--prompt-seed {args.prompt_seed} is the seed the grid was tuned on: report on another one")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.static_tree is not None:
+        if "static" not in trees:
+            raise SystemExit(f"--static-tree {args.static_tree} is a static tree, but --trees {args.trees} has none")
+        try:  # an unknown name, a bad file or a tree with a hole fails here, before any decode
+            DecoderConfig(tree="static", static_tree=args.static_tree)
+        except (ValueError, OSError) as error:
+            raise SystemExit(f"--static-tree {args.static_tree}: {error}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -87,7 +96,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     sections, summaries = [], []
     for kind in trees:
-        config = dataclasses.replace(DecoderConfig(), tree=kind).for_target(target)
+        static_tree = args.static_tree if kind == "static" else None
+        config = dataclasses.replace(DecoderConfig(), tree=kind, static_tree=static_tree).for_target(target)
         started = time.perf_counter()
         tallies, floor = run_methods(methods, rules, prompts, target, drafter, target.sampling, config, args.seed,
                                      repeats=args.repeats)  # fmt: skip
