@@ -121,3 +121,22 @@ def test_a_table_of_runs_at_several_commits_names_none(tmp_path):
     assert "abcdef1" not in rendered and "1234567" not in rendered
     assert "different commits, each in its JSON (a.json, b.json)" in rendered
     assert tables_without_provenance(rendered) == []
+
+
+def test_a_json_with_its_own_table_renders_under_its_command(tmp_path):
+    from training.convergence_region import format_table
+
+    summary = {"positions": 10, "convergent_share": 0.5, "pixel_threshold": 10.0,
+               "config": {"source": "hidden raw", "tau": 0.625, "flagged_share": 0.4, "precision": 1.0, "recall": 0.8},
+               "candidates": {"hidden raw": {"auc": 0.9, "threshold_same_share": 0.6}}}  # fmt: skip
+    payload = {"command": ["python", "-m", "training.convergence_region", "--config", "demo"],
+               "provenance": _decoding_table({}, "d")["provenance"], "table": format_table(summary)}  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(payload))
+    (tmp_path / "page.json").write_text(json.dumps([{"title": "R", "kind": "table", "file": "r.json"}]))
+    rendered = render_page(tmp_path)
+    assert "| hidden raw | 0.900 | 0.600 |" in rendered and "precision 1.000, recall 0.800" in rendered
+    assert tables_without_provenance(rendered) == []
+    del payload["table"]
+    (tmp_path / "r.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="'table' field"):
+        render_page(tmp_path)

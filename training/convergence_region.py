@@ -17,8 +17,8 @@ Each candidate state (the last hidden state, and each EAGLE-3 stream when the ba
 raw and by mean-centred cosine, scores a position by its largest similarity to a later position. The table
 gives its ROC AUC against the label, the share of truly convergent positions, and for the config's own
 `convergence_source` and `convergence_tau` the share flagged with its precision and recall, next to the
-threshold of every other candidate that flags the same share. Writes `convergence_region.json` (with the
-command and provenance) and `table.md` into `--out`.
+threshold of every other candidate that flags the same share. Writes `convergence_region.json` (the figures,
+the table, the command and provenance: `python -m inference.results` renders it) and `table.md` into `--out`.
 
 Shapes: B samples, L positions, D state width, G image tokens, C values per patch.
 """
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         command = ["python", "-m", "training.convergence_region", *(sys.argv[1:] if argv is None else argv)]
-        write_json({"command": command, "provenance": provenance(), "config": args.config, **summary},
-                   args.out / "convergence_region.json")  # fmt: skip
+        write_json({"command": command, "provenance": provenance(), "config_file": args.config, **summary,
+                    "table": table}, args.out / "convergence_region.json")  # fmt: skip
         write_atomic(args.out / "table.md", f"```\n{' '.join(command)}\n```\n\n{table}")
         print(f"wrote {args.out}/convergence_region.json and table.md")
     return summary

@@ -11,7 +11,8 @@
   exact's and CASCADE's tau, speed and quality), and, where rows name an `arm`, each arm's mean and seed spread;
 - `bench`: `python -m inference.bench --out`'s JSON (a sweep or a set of rules), one table;
 - `signals`: `python -m inference.signals`'s `signals.json`, the AUC table;
-- `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step.
+- `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step;
+- `table`: a command's JSON that carries its own Markdown `table` (`python -m training.convergence_region`).
 
 A section may carry a `note` (Markdown, no figures: it explains how to read the table). Every table is
 printed under the command(s) that made it and the date, machine and commit from the JSON's `provenance`
@@ -153,6 +154,19 @@ def render_op_count(payload: dict[str, Any]) -> list[str]:
             format_op_table(payload["rows"]), "```", ""]  # fmt: skip
 
 
+def render_table(payload: dict[str, Any]) -> list[str]:
+    """A JSON that carries its own Markdown table, under its command."""
+    if "table" not in payload:
+        raise ValueError("a `table` section's JSON needs a 'table' field (Markdown)")
+    return [
+        *_command_block(payload["command"]),
+        provenance_line(payload),
+        "",
+        *payload["table"].strip().splitlines(),
+        "",
+    ]
+
+
 def render_page(results: Path = RESULTS) -> str:
     """The whole page from `results/page.json` and the JSON files it names."""
     sections = json.loads((results / "page.json").read_text(encoding="utf-8"))
@@ -175,6 +189,8 @@ def render_page(results: Path = RESULTS) -> str:
             lines += render_signals(payload)
         elif kind == "op_count":
             lines += render_op_count(payload)
+        elif kind == "table":
+            lines += render_table(payload)
         else:
             raise ValueError(f"{results / 'page.json'}: section {section['title']!r} has unknown kind {kind!r}")
         if section.get("image"):
