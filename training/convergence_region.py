@@ -181,6 +181,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=16, help="training batches scored (default 16)")
     parser.add_argument("--pixel-threshold", type=float, default=DEFAULT_PIXEL_THRESHOLD,
                         help="grey levels RMS under which two patches count as alike (default 10)")  # fmt: skip
+    parser.add_argument("--convergence-source", choices=CONVERGENCE_SOURCES,
+                        help="instead of the config's objective.convergence_source")  # fmt: skip
+    parser.add_argument("--convergence-tau", type=float, help="instead of the config's objective.convergence_tau")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, help="folder for convergence_region.json and table.md")
     return parser.parse_args(argv)
@@ -192,7 +195,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     config = yaml.safe_load(resolve_config_path(args.config).read_text())
     model, data = config["model"], config["data"]
-    objective = ObjectiveConfig(**model.get("objective", {}))
+    overrides = {"convergence_source": args.convergence_source, "convergence_tau": args.convergence_tau}
+    objective = ObjectiveConfig(
+        **{**model.get("objective", {}), **{k: v for k, v in overrides.items() if v is not None}}
+    )
     settings = {k: v for k, v in model.items() if k not in ("objective", "optimizer")}  # target, preset, ...
     system = DrafterSystem(**settings, objective=objective, optimizer=OptimizerConfig(**model.get("optimizer", {})))
     datamodule = DrafterDataModule(
