@@ -96,6 +96,19 @@ def test_drafter_rows_and_arm_means_come_from_their_sources(tmp_path):
     assert tables_without_provenance(rendered) == []
 
 
+def test_each_row_of_a_drafters_table_reads_its_own_runs_tree(tmp_path):
+    dynamic = _decoding_table({"exact": 1.5, "cascade": 1.8}, "d")
+    dynamic["trees"][0]["tree"]["tree"] = "dynamic"
+    for record in dynamic["records"]:
+        record["tree"] = "dynamic"
+    (tmp_path / "s.json").write_text(json.dumps(_decoding_table({"exact": 3.0, "cascade": 3.1}, "s")))
+    (tmp_path / "d.json").write_text(json.dumps(dynamic))
+    sources = [{"label": "static", "file": "s.json"}, {"label": "dynamic", "file": "d.json"}]
+    (tmp_path / "page.json").write_text(json.dumps([{"title": "T", "kind": "drafters", "sources": sources}]))
+    rendered = render_page(tmp_path)
+    assert "| static | 3.00 | 3.10 (1.033) |" in rendered and "| dynamic | 1.50 | 1.80 (1.200) |" in rendered
+
+
 def test_a_source_without_provenance_or_command_is_refused(tmp_path):
     payload = _decoding_table({"exact": 3.0}, "d")
     del payload["provenance"]

@@ -96,8 +96,8 @@ def _by_rule(payload: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
 
 
 def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]], rules: list[str]) -> list[str]:
-    """A row per drafter: tau and quality of each rule in `rules` (the first is the reference); arm means after."""
-    kind = payloads[0]["trees"][0]["tree"]["tree"]
+    """A row per drafter (or tree: each row reads its run's first tree): tau and quality of each rule in `rules`
+    (the first is the reference); arm means after."""
     first, other = rules[0], rules[1:]
     lines = _command_block(*(p["command"] for p in payloads))
     lines += [_shared_provenance(payloads, [source["file"] for source in sources]), ""]
@@ -106,6 +106,7 @@ def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     taus: dict[str, dict[str, list[float]]] = {}
     for source, payload in zip(sources, payloads, strict=True):
+        kind = payload["trees"][0]["tree"]["tree"]
         rows = _by_rule(payload, kind)
         missing = [rule for rule in rules if rule not in rows]
         if missing:
