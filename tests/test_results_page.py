@@ -107,6 +107,7 @@ def test_each_row_of_a_drafters_table_reads_its_own_runs_tree(tmp_path):
     (tmp_path / "page.json").write_text(json.dumps([{"title": "T", "kind": "drafters", "sources": sources}]))
     rendered = render_page(tmp_path)
     assert "| static | 3.00 | 3.10 (1.033) |" in rendered and "| dynamic | 1.50 | 1.80 (1.200) |" in rendered
+    assert "| drafter | τ exact |" in rendered  # the default row header
 
 
 def test_a_source_without_provenance_or_command_is_refused(tmp_path):

@@ -7,8 +7,9 @@
 `docs/results/`) a benchmark command wrote, copied there unchanged:
 
 - `decoding_table`: `python -m inference.decoding_table`'s `table.json`, one table per tree;
-- `drafters`: several decoding tables of the same grid, one per drafter, as one table (a row per drafter:
-  exact's and CASCADE's tau, speed and quality), and, where rows name an `arm`, each arm's mean and seed spread;
+- `drafters`: several decoding tables of the same grid, one per drafter (or tree: `row_header` names the rows),
+  as one table (a row each: exact's and CASCADE's tau, speed and quality), and, where rows name an `arm`, each
+  arm's mean and seed spread;
 - `bench`: `python -m inference.bench --out`'s JSON (a sweep or a set of rules), one table;
 - `signals`: `python -m inference.signals`'s `signals.json`, the AUC table;
 - `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step;
@@ -95,13 +96,15 @@ def _by_rule(payload: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def render_drafters(sources: list[dict[str, Any]], payloads: list[dict[str, Any]], rules: list[str]) -> list[str]:
+def render_drafters(
+    sources: list[dict[str, Any]], payloads: list[dict[str, Any]], rules: list[str], row_header: str = "drafter"
+) -> list[str]:
     """A row per drafter (or tree: each row reads its run's first tree): tau and quality of each rule in `rules`
     (the first is the reference); arm means after."""
     first, other = rules[0], rules[1:]
     lines = _command_block(*(p["command"] for p in payloads))
     lines += [_shared_provenance(payloads, [source["file"] for source in sources]), ""]
-    header = ["drafter", f"τ {first}", *(f"τ {rule} (x {first})" for rule in other), "speedup vs AR " +
+    header = [row_header, f"τ {first}", *(f"τ {rule} (x {first})" for rule in other), "speedup vs AR " +
               " / ".join(rules), "prompt fidelity " + " / ".join(rules), "FID-style " + " / ".join(rules)]  # fmt: skip
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     taus: dict[str, dict[str, list[float]]] = {}
@@ -179,7 +182,8 @@ def render_page(results: Path = RESULTS) -> str:
         kind = section["kind"]
         if kind == "drafters":
             payloads = [_load(results, source["file"]) for source in section["sources"]]
-            lines += render_drafters(section["sources"], payloads, section.get("rules", ["exact", "cascade"]))
+            rules = section.get("rules", ["exact", "cascade"])
+            lines += render_drafters(section["sources"], payloads, rules, section.get("row_header", "drafter"))
             continue
         payload = _load(results, section["file"])
         if kind == "decoding_table":
