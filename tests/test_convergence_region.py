@@ -6,13 +6,8 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
-from training.convergence_region import (
-    RegionStudy,
-    convergent_truth,
-    format_table,
-    later_similarity,
-    token_patches,
-)
+from training.convergence_region import RegionStudy, convergent_truth, format_table, token_patches
+from training.losses import later_similarity
 from training.objective import ObjectiveConfig
 
 
@@ -32,7 +27,7 @@ def test_truth_and_similarity_equal_naive_loops():
     mask[2, 5:] = False
     truth = convergent_truth(patches, mask, 10.0)
     for centred in (False, True):
-        similarity = later_similarity(features, mask, centred)
+        similarity = later_similarity(features.double(), mask, centred)
         for b in range(3):
             for t in range(7):
                 later = [u for u in range(t + 1, 7) if mask[b, t] and mask[b, u]]

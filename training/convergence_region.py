@@ -43,7 +43,7 @@ from data.extract_config import resolve_config_path
 from inference.decoding.files import provenance, write_atomic, write_json
 from inference.measure.signals import DEFAULT_PIXEL_THRESHOLD, roc_auc
 from models.target import ImageTarget
-from training.losses import convergent_positions
+from training.losses import convergent_positions, later_pairs, later_similarity
 from training.objective import CONVERGENCE_SOURCES, ObjectiveConfig, convergence_stream
 from training.system import DrafterSystem, OptimizerConfig
 
@@ -59,27 +59,10 @@ def token_patches(target: ImageTarget, tokens: Tensor) -> Tensor:
     return blocks.permute(0, 1, 3, 2, 4, 5).reshape(batch, rows * cols, -1)
 
 
-def later_pairs(mask: Tensor) -> Tensor:
-    """(B, L) bool -> (B, L, L) bool: (t, u) with u > t and both counted."""
-    length = mask.shape[1]
-    later = torch.ones(length, length, dtype=torch.bool, device=mask.device).triu(1)
-    return later & mask[:, :, None] & mask[:, None, :]
-
-
 def convergent_truth(patches: Tensor, mask: Tensor, pixel_threshold: float) -> Tensor:
     """(B, L) bool: a later counted position's patch lies within pixel_threshold grey levels RMS of this one's."""
     rms = torch.cdist(patches.double(), patches.double()) / patches.shape[-1] ** 0.5  # (B, L, L)
     return ((rms <= pixel_threshold) & later_pairs(mask)).any(-1)
-
-
-def later_similarity(features: Tensor, mask: Tensor, centred: bool) -> Tensor:
-    """(B, L): the largest cosine of a position's state with a later counted one's (-2 where there is none)."""
-    states = features.double()
-    if centred:
-        states = states - states.mean(-1, keepdim=True)
-    unit = F.normalize(states, dim=-1)
-    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
-    return similarity.masked_fill(~later_pairs(mask), -2.0).amax(-1)
 
 
 def candidate_states(batch: dict[str, Any]) -> dict[str, Tensor]:
@@ -104,19 +87,18 @@ class RegionStudy:
         tokens, mask = batch["tokens"], batch["loss_mask"].bool()
         if tokens.shape[1] != target.geometry.num_tokens:  # pad to a whole image for the decoder
             tokens = F.pad(tokens, (0, target.geometry.num_tokens - tokens.shape[1]))
-        scored = mask & later_pairs(mask).any(-1)  # positions with something later to match
+        scored = (mask & later_pairs(mask).any(-1)).cpu()  # positions with something later to match
         truth = convergent_truth(token_patches(target, tokens.cpu())[:, : mask.shape[1]], mask.cpu(),
                                  self.pixel_threshold)  # fmt: skip
-        self.labels.append(truth[scored.cpu()].double())
+        self.labels.append(truth[scored].double())
         states = candidate_states(batch)
         for source, features in states.items():
             for comparison in COMPARISONS:
-                score = later_similarity(features, mask, comparison == "centred").cpu()
-                self.scores.setdefault(f"{source} {comparison}", []).append(score[scored.cpu()])
-        own = states[self.objective.convergence_source]
-        centred = self.objective.convergence_source != "hidden"
-        flagged = convergent_positions(own, mask, self.objective.convergence_tau, centred).cpu()
-        self.flagged.append(flagged[scored.cpu()].double())
+                score = later_similarity(features.double(), mask, comparison == "centred").cpu()
+                self.scores.setdefault(f"{source} {comparison}", []).append(score[scored])
+        own = states[self.objective.convergence_source]  # compared as training compares it
+        flagged = convergent_positions(own, mask, self.objective.convergence_tau, self.objective.convergence_centred)
+        self.flagged.append(flagged.cpu()[scored].double())
 
     def summary(self) -> dict[str, Any]:
         """AUC per candidate, the truly convergent share, and the config's threshold against the label."""
@@ -131,9 +113,7 @@ class RegionStudy:
             matched = float(scores.quantile(1 - share)) if 0 < share < 1 else None
             candidates[name] = {"auc": roc_auc(scores, labels), "threshold_same_share": matched}
         hits = float((flagged * labels).sum())
-        own = self.objective.convergence_source + (
-            " centred" if self.objective.convergence_source != "hidden" else " raw"
-        )
+        own = f"{self.objective.convergence_source} {'centred' if self.objective.convergence_centred else 'raw'}"
         return {
             "positions": int(labels.numel()),
             "convergent_share": float(labels.mean()),

@@ -38,21 +38,33 @@ def feature_regression_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> 
     return (per_position * mask).sum() / masked_mean_denominator(mask)
 
 
+def later_pairs(mask: Tensor) -> Tensor:
+    """(B, L) bool -> (B, L, L) bool: the pairs (t, u) with u > t and both positions counted."""
+    length = mask.shape[1]
+    later = torch.ones(length, length, dtype=torch.bool, device=mask.device).triu(1)
+    return later & mask[:, :, None] & mask[:, None, :]
+
+
+def later_similarity(features: Tensor, mask: Tensor, centred: bool = False) -> Tensor:
+    """(B, L): each position's largest cosine with a later counted position (-2, below any cosine, where none).
+
+    features (B, L, D) are compared in at least float32 (float64 stays float64); centred: the mean-centred cosine
+    (each vector minus its own mean over D, as CASCADE's decoder compares states) instead of the raw one.
+    """
+    states = features.to(torch.promote_types(features.dtype, torch.float32))
+    if centred:
+        states = states - states.mean(-1, keepdim=True)
+    unit = F.normalize(states, dim=-1)
+    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
+    return similarity.masked_fill(~later_pairs(mask), -2.0).amax(-1)
+
+
 def convergent_positions(features: Tensor, mask: Tensor, tau: float, centred: bool = False) -> Tensor:
     """CASCADE's convergence region: positions whose feature has cosine > tau with any LATER valid position.
 
-    features (B, L, D), mask (B, L) bool -> (B, L) bool (False outside the mask). centred: compare the
-    mean-centred cosine (each vector minus its own mean over D, as CASCADE's decoder does) instead of the raw one.
+    features (B, L, D), mask (B, L) bool -> (B, L) bool (False outside the mask). centred: see `later_similarity`.
     """
-    feats = features.float()
-    if centred:
-        feats = feats - feats.mean(-1, keepdim=True)
-    unit = F.normalize(feats, dim=-1)
-    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
-    length = features.shape[1]
-    later = torch.ones(length, length, dtype=torch.bool, device=features.device).triu(1)
-    pairs = later & (similarity > tau) & mask[:, None, :] & mask[:, :, None]
-    return pairs.any(-1)
+    return later_similarity(features, mask, centred) > tau
 
 
 def convergence_weights(features: Tensor, mask: Tensor, tau: float, weight: float, centred: bool = False) -> Tensor:

@@ -110,6 +110,11 @@ class ObjectiveConfig:
                 f"objective.convergence_source={self.convergence_source!r} is not one of {list(CONVERGENCE_SOURCES)}"
             )
 
+    @property
+    def convergence_centred(self) -> bool:
+        """Whether the convergence region compares mean-centred cosines (the EAGLE-3 streams) or raw ones (hidden)."""
+        return self.convergence_source != "hidden"
+
 
 @dataclass
 class ObjectiveOutput:
@@ -218,7 +223,7 @@ def drafter_objective(
             mask,
             config.convergence_tau,
             config.convergence_weight,
-            centred=region is not None,
+            centred=config.convergence_centred,
         )
     reduced = model.config.draft_vocab != model.config.vocab_size
     scale = target.sampling.cfg_scale if config.cfg_scale is None else config.cfg_scale
