@@ -16,8 +16,8 @@ see it at the right time. The target is loaded in `setup` and kept outside the m
 (`on_after_batch_transfer`, `training.online_features`).
 
 Every step's randomness (input noise, branch choice) comes from a generator seeded by
-(seed, global step, rank), so a run resumed from a checkpoint draws exactly what an uninterrupted
-run draws.
+(seed, global step, micro-batch within the step, rank), so a run resumed from a checkpoint draws exactly
+what an uninterrupted run draws, and the micro-batches of an accumulated step draw differently.
 
 Logged: train/loss, train/ce_k, train/acc_k, train/tau_sim, train/convergent_fraction,
 train/tokens_per_s, train/grad_norm, lr (LearningRateMonitor), val/loss, val/acc_k, val/tau_sim.
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
@@ -137,6 +138,7 @@ class DrafterSystem(L.LightningModule):
         self._last_batch_start: float | None = None
         self.last_validated_step: int | None = None
         self.last_checkpoint_step: int | None = None  # global step of the newest checkpoint written
+        self._grad_norm_pending = False  # DeepSpeed: log the engine's gradient norm after this step
 
     # ------------------------------------------------------------------------- building
 
@@ -209,14 +211,23 @@ class DrafterSystem(L.LightningModule):
 
     # ------------------------------------------------------------------------- steps
 
-    def _generator(self) -> torch.Generator:
+    def _generator(self, micro_batch: int = 0) -> torch.Generator:
+        """The step's random state: a function of (seed, optimizer step, micro-batch within the step, rank), so each
+        micro-batch of an accumulated step and each rank draw their own noise and swaps, and a resumed run draws
+        what an uninterrupted one does."""
+        key = [self.seed, self.global_step, micro_batch, self.global_rank]
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(self.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
+        generator.manual_seed(int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> 1))
         return generator
 
-    def compute(self, batch: dict[str, Any], training: bool) -> ObjectiveOutput:
+    def _micro_batch(self, batch_idx: int) -> int:
+        """Index of `batch_idx` within its optimizer step (0 .. accumulate_grad_batches - 1)."""
+        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self._trainer is not None else 1
+        return batch_idx % max(1, int(accumulate))
+
+    def compute(self, batch: dict[str, Any], training: bool, micro_batch: int = 0) -> ObjectiveOutput:
         assert self.frozen_target is not None, "setup() loads the target"
-        generator = self._generator() if training else None
+        generator = self._generator(micro_batch) if training else None
         return drafter_objective(
             self.drafter, self.frozen_target, batch, self.objective, training=training, generator=generator
         )
@@ -239,7 +250,7 @@ class DrafterSystem(L.LightningModule):
         return (self.global_step + 1) % max(1, every) == 0
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        out = self.compute(batch, training=True)
+        out = self.compute(batch, training=True, micro_batch=self._micro_batch(batch_idx))
         self._check_finite(out.loss, batch)
         size = len(batch["keys"])
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=size)
@@ -286,12 +297,32 @@ class DrafterSystem(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.last_validated_step = self.global_step
 
+    def _deepspeed_engine(self) -> Any:
+        """The DeepSpeed engine when the strategy is DeepSpeed, else None."""
+        if self._trainer is None:
+            return None
+        return getattr(self.trainer.strategy, "deepspeed_engine", None)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._logging_step():
+        """train/grad_norm: the global L2 norm of the gradient the optimizer applies (before clipping).
+
+        Single process and DDP: the parameters' (all-reduced) `.grad`. DeepSpeed ZeRO keeps gradients in its
+        partitions and leaves `.grad` empty: there the engine's own global norm, read after its step
+        (`on_train_batch_end`)."""
+        self._grad_norm_pending = self._logging_step() and self._deepspeed_engine() is not None
+        if not self._logging_step() or self._grad_norm_pending:
             return
         norms = grad_norm(self.drafter, norm_type=2)
         if norms:
             self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._grad_norm_pending:
+            return
+        self._grad_norm_pending = False
+        norm = self._deepspeed_engine().get_global_grad_norm()  # computed over every rank's partition in its step
+        if norm is not None:
+            self.log("train/grad_norm", float(norm), rank_zero_only=True)
 
     # ------------------------------------------------------------------------- optimizer
 
