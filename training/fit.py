@@ -23,11 +23,13 @@ dataset error (a shard that fails, a damaged sample) ends the run with exit code
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
@@ -60,17 +62,32 @@ def last_checkpoint_callback(trainer: Any) -> ModelCheckpoint | None:
 
 
 class ExportDrafter(Callback):
-    """Writes `<run dir>/drafter` (the drafter alone, self-describing) when training ends."""
+    """Writes `<run dir>/drafter` when training ends: the drafter alone, self-describing, with its model card.
+
+    It is `python -m training.export` of the final `last.ckpt`, so the run's drafter and a later export of the
+    same checkpoint are the same file: under DeepSpeed the float32 master weights consolidated from the ZeRO
+    partitions (the live module holds bf16 copies of them), otherwise the module's own weights. Without a
+    checkpoint callback the live module is written.
+    """
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         checkpoint = last_checkpoint_callback(trainer)
+        last: Path | None = None
         if checkpoint is not None and checkpoint.dirpath:
             # ModelCheckpoint writes last.ckpt only on its own schedule; make it the final step for --ckpt_path last
             last = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
             if getattr(pl_module, "last_checkpoint_step", None) != trainer.global_step:
                 trainer.save_checkpoint(last)
                 checkpoint.last_model_path = str(last)
+            trainer.strategy.barrier("export")  # every rank's ZeRO partition is on disk before rank 0 reads them
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
+        if last is not None and last.exists():
+            if trainer.is_global_zero and log_dir:
+                from training.export import export_drafter
+
+                result = export_drafter(last, Path(log_dir) / "drafter", run_dir=log_dir, overwrite=True)
+                print(f"exported the drafter to {result.folder} (from {last})")
+            return
         with gathered_parameters(pl_module.drafter):  # ZeRO-3: every rank gathers, rank 0 writes
             if trainer.is_global_zero and log_dir:
                 path = pl_module.export_drafter(Path(log_dir) / "drafter")
@@ -87,6 +104,66 @@ def end_process_group() -> None:
     outlive it and abort the finished process ("terminate called without an active exception", exit -6)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+class ConfigError(ValueError):
+    """A config whose settings cannot run together; raised before any target weights load."""
+
+
+DEEPSPEED_CLASS = "lightning.pytorch.strategies.DeepSpeedStrategy"
+CPU_DEEPSPEED_CLASS = "training.deepspeed_cpu.CPUDeepSpeedStrategy"
+
+
+def deepspeed_strategy_args(strategy: Any) -> dict[str, Any] | None:
+    """The init arguments of a DeepSpeed `trainer.strategy` as the config gives it (a registry name such as
+    `deepspeed_stage_2`, or `{class_path: ...DeepSpeedStrategy, init_args: {...}}`); None for other strategies."""
+    if isinstance(strategy, str):
+        if not strategy.startswith("deepspeed"):
+            return None
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        if strategy not in StrategyRegistry:
+            return None
+        return dict(StrategyRegistry[strategy]["init_params"])
+    class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+    if class_path not in (DEEPSPEED_CLASS, "DeepSpeedStrategy", CPU_DEEPSPEED_CLASS):
+        return None
+    return dict(strategy.get("init_args") or {})
+
+
+def check_trainer_settings(config: Any, source: str = "the config") -> None:
+    """Refuse trainer settings that cannot run together, naming the key, before any rank loads the target.
+
+    Raises:
+        ConfigError: `trainer.gradient_clip_algorithm: value` under DeepSpeed (its engine clips the global
+            gradient norm only: Lightning raises in `init_deepspeed`, after every rank has loaded the target).
+    """
+    strategy = config.get("trainer.strategy")
+    if deepspeed_strategy_args(strategy) is None:
+        return
+    if config.get("trainer.gradient_clip_algorithm") == "value" and config.get("trainer.gradient_clip_val"):
+        raise ConfigError(
+            f"{source}: trainer.gradient_clip_algorithm: value cannot run with trainer.strategy {strategy!r}: "
+            "DeepSpeed clips gradients by their global norm only (its gradient_clipping setting); set "
+            "trainer.gradient_clip_algorithm: norm (or remove the key: norm is the default)"
+        )
+
+
+def cpu_deepspeed(config: Any) -> bool:
+    """On a CPU accelerator, run a DeepSpeed `trainer.strategy` as `CPUDeepSpeedStrategy` with the same arguments.
+
+    Lightning's `DeepSpeedStrategy` refuses CPU accelerators; `training.deepspeed_cpu` runs the same ZeRO stage,
+    precision and clipping on CPU processes with gloo collectives (tests and CPU-only machines). Returns whether
+    the strategy was replaced (the saved config.yaml then names the CPU class).
+    """
+    if config.get("trainer.accelerator") != "cpu":
+        return False
+    init_args = deepspeed_strategy_args(config.get("trainer.strategy"))
+    if init_args is None:
+        return False
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no CUDA probing
+    config["trainer.strategy"] = Namespace(class_path=CPU_DEEPSPEED_CLASS, init_args=Namespace(**init_args))
+    return True
 
 
 class DrafterCLI(LightningCLI):
@@ -121,8 +198,11 @@ class DrafterCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """Pick the run folder and the checkpoint to resume before the logger or any callback writes."""
+        """Check the trainer settings, then pick the run folder and the checkpoint to resume before the logger or
+        any callback writes. A DeepSpeed strategy on a CPU accelerator runs as `CPUDeepSpeedStrategy`."""
         config = self.config
+        check_trainer_settings(config, str(config.get("config", ["the config"])[-1]))
+        cpu_deepspeed(config)
         if config.get("checkpoint.save_last"):
             raise RunFolderError(
                 "checkpoint.save_last: last.ckpt is written by the interval checkpoint (every "
@@ -163,7 +243,8 @@ class ConfigCheckCLI(DrafterCLI):
     """Parses a config and builds model and data, but no Trainer: checks GPU configs on any machine."""
 
     def before_instantiate_classes(self) -> None:
-        """No run folder is chosen: nothing will be written."""
+        """The trainer settings are checked; no run folder is chosen: nothing will be written."""
+        check_trainer_settings(self.config, str(self.config.get("config", ["the config"])[-1]))
 
     def instantiate_classes(self) -> None:
         instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
@@ -222,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cli = build_cli(argv)
-    except (FileNotFoundError, RunFolderError) as error:
+    except (FileNotFoundError, RunFolderError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     trainer, system, data = cli.trainer, cli.model, cli.datamodule
@@ -243,18 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     validates = trainer.limit_val_batches != 0 and data.config.num_val_shards + (data.config.val_dir is not None) > 0
     if validates and system.last_validated_step != trainer.global_step:  # the summary reports the final drafter
         trainer.validate(system, datamodule=data, verbose=False)
+    log_dir = Path(trainer.log_dir or ".")  # a broadcast under DDP and DeepSpeed: every rank asks
     if trainer.is_global_zero:
-        summarize(trainer, before)
+        summarize(trainer, before, log_dir)
     end_process_group()
     return 0
 
 
-def summarize(trainer: Any, before: float | None) -> None:
-    """Print the simulated acceptance length before and after, and where logs and checkpoints are."""
+def summarize(trainer: Any, before: float | None, log_dir: Path) -> None:
+    """Print the simulated acceptance length before and after, and where logs and checkpoints are (rank 0 only:
+    `log_dir` is `trainer.log_dir`, read by every rank before)."""
     metrics = trainer.callback_metrics
     after = metrics.get("val/tau_sim")
     after = float(after) if isinstance(after, torch.Tensor) else after
-    log_dir = Path(trainer.log_dir or ".")
     lines = ["", "training finished:"]
     if after is not None:
         lines.append(

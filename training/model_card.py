@@ -255,6 +255,20 @@ def _tau_lines(info: RunInfo) -> list[str]:
     return lines
 
 
+def _weights_dtype(model: EagleDraftModel) -> str:
+    """The dtype(s) of the exported weights, e.g. "float32"."""
+    return ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.state_dict().values()}))
+
+
+def _weights_origin(source: DrafterSource) -> str:
+    """Where the exported weights come from, in words."""
+    if source.kind == "deepspeed checkpoint":
+        return "the optimizer's float32 master weights, consolidated from the DeepSpeed ZeRO partitions"
+    if source.kind == "lightning checkpoint":
+        return "the checkpoint's module weights"
+    return "copied from a drafter folder"
+
+
 def render_model_card(
     model: EagleDraftModel,
     source: DrafterSource,
@@ -296,6 +310,7 @@ def render_model_card(
         "",
         *_architecture_lines(config),
         f"- parameters: {parameters:,} ({parameters / 1e6:.2f} M)",
+        f"- weights: {_weights_dtype(model)} ({_weights_origin(source)})",
         f"- files: `{WEIGHTS_NAME}` (drafter weights only), `{CONFIG_NAME}` (serving config plus `drafter_config`)",
         "",
         "## Training data",
