@@ -78,7 +78,7 @@ from inference.evaluation.eval_folder import (
     remove_stale_temps,
     save_image,
 )
-from models.registry import load_target
+from models.registry import load_target_for_process
 from models.target import ImageTarget, SamplingDefaults
 
 PROMPT_SETS: dict[str, tuple[str, str | None]] = {
@@ -235,7 +235,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any] | None:
         config = decoder_config(args) if args.drafter else None
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    target = load_target(args.target, **target_options)
+    target = load_target_for_process(args.target, **target_options)
     config = None if config is None else config.for_target(target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k", "top_p")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
