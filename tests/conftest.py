@@ -9,7 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not torch.cuda.is_available():  # on a GPU host DeepSpeed keeps its CUDA accelerator for the `gpu` tests
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from models.llamagen import LlamaGenConfig  # noqa: E402
 from models.target import SamplingDefaults  # noqa: E402
