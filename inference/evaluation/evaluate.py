@@ -17,8 +17,8 @@ by AR or by the tree decoder with `--drafter`, `--rule` and the tree options of 
 Each image is written as `images/NNNNN.png` with its record `records/NNNNN.json` (caption, seed, tau,
 target and drafter forwards, decoder seconds and wall seconds); when all are there, `images.jsonl` (one
 line per image) and `summary.json`. Under torchrun (RANK / WORLD_SIZE, one GPU per process: real targets
-load on cuda:LOCAL_RANK) rank r decodes captions r, r + W, ...; no process group is needed. A rerun skips
-finished images; every file is renamed into place whole, so a run killed at any moment (kill -9
+load on cuda:LOCAL_RANK, `process_device()`) rank r decodes captions r, r + W, ...; no process group is
+needed. A rerun skips finished images; every file is renamed into place whole, so a run killed at any moment (kill -9
 included) and rerun ends with the same files as an uninterrupted run (only the timings differ). The
 folder's `run.json` records the run's identity; a rerun with another target, drafter, rule, tree,
 sampling, seed or caption list is refused before anything is written (`inference.evaluation.eval_folder`).
