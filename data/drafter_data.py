@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 from data.data_config import DataConfig
 from data.datamodule import FeatureDataModule
@@ -91,6 +92,12 @@ class DrafterDataModule(FeatureDataModule):
             )
         self.extract_overrides = dict(extract_overrides or {})
 
+    def target_placement(self) -> torch.device | None:
+        """The trainer's root device (None without a trainer): the device `DrafterSystem` places the target on, so
+        both load the one shared instance (`models.registry.shared_target`) on this process's GPU."""
+        strategy = getattr(self.trainer, "strategy", None)
+        return None if strategy is None else strategy.root_device
+
     def prepare_data(self) -> None:
         """Once per node, before any rank's setup: extract a missing dataset, then verify its shards (`data.verify`)."""
         self._extract_if_missing()
@@ -115,13 +122,14 @@ class DrafterDataModule(FeatureDataModule):
                      f"target={self.target_name}", f"target_options={json.dumps(self.target_options)}"]  # fmt: skip
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
-        target = shared_target(self.target_name, self.target_options)
+        target = shared_target(self.target_name, self.target_options, device=self.target_placement())
         if run_extraction(config, target, rank=0, world_size=1) is None:
             raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
 
     def setup(self, stage: str | None = None) -> None:
         if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
-            self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
+            target = shared_target(self.target_name, self.target_options, device=self.target_placement())
+            self.target = TargetIdentity.from_target(target)
         super().setup(stage)
         # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream
         # (batch_size=None) lacks: state it before the strategy formats its config (which runs after setup).

@@ -67,7 +67,7 @@ from data.shards import (
 )
 from data.validate import validate_dataset
 from inference.decoding.autoregressive import generate_ar
-from models.registry import load_target
+from models.registry import load_target, process_target_options
 from models.target import ImageTarget, SamplingDefaults, teacher_forced_states
 
 WORK_DIR = ".extract"
@@ -322,7 +322,7 @@ def run_extraction(
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (RANK / WORLD_SIZE)")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    target = target or load_target(config.target, **config.target_options)
+    target = target or load_target(config.target, **process_target_options(config.target, config.target_options))
     job = build_job(config, target)
     out_dir = Path(config.out_dir)
     (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)

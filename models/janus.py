@@ -49,7 +49,7 @@ D hidden size, V image vocabulary (VQ codebook), G image tokens.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import Tensor
@@ -125,6 +125,12 @@ class JanusTarget(TransformersDecoderTarget):
         pixels = patches * 2 ** (len(vq_config.channel_multiplier) - 1)
         self.geometry = ImageGeometry(grid=(side, side), image_size=(pixels, pixels))
 
+    def to(self, device: torch.device | str) -> Self:
+        """Move the whole model to `device`: the language model, the generation embedding, aligner and head, the
+        VQ model (decoder and codebook) and the vision tower; the float32 rotary frequencies stay float32."""
+        self.model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`: mypy sees no self
+        return self
+
     # ------------------------------------------------------------------ loading
 
     @classmethod
@@ -140,8 +146,7 @@ class JanusTarget(TransformersDecoderTarget):
         Args:
             path: folder with `config.json`, the weights and the tokenizer files, or a hub id.
             dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
-            device: None = this process's GPU (cuda:LOCAL_RANK, as torchrun and Lightning set it) when CUDA is
-                available, else CPU.
+            device: None = the CPU (the trainer passes its root device, scripts `process_device()`).
             **kwargs: passed to `JanusTarget` (name, sampling, max_prompt_tokens, aux_layer_ids).
         """
         from transformers import AutoTokenizer, JanusForConditionalGeneration

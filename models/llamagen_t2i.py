@@ -45,7 +45,7 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import Tensor
@@ -190,6 +190,14 @@ class LlamaGenT2ITarget(DecoderTarget):
             fresh = build_rotary_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
             self.gpt.rotary_table = fresh.to(table.device)
 
+    def to(self, device: torch.device | str) -> Self:
+        """Move the GPT (its float32 rotary table stays float32), the T5 caption encoder and the float32 VQ decoder
+        (codebook included) to `device`."""
+        self.gpt.to(device)
+        self.vq.to(device)
+        self.text_encoder.to(device)  # type: ignore[arg-type]  # transformers wraps `to`: mypy sees no self
+        return self
+
     # ------------------------------------------------------------------ loading
 
     @classmethod
@@ -219,8 +227,7 @@ class LlamaGenT2ITarget(DecoderTarget):
                 (stage1 / _256 or stage2 / _512), or stage 2 when no checkpoint is named.
             dtype: GPT and T5 dtype (the VQ decoder stays fp32); None = bfloat16 on GPU (upstream
                 `--precision bf16`), float32 on CPU.
-            device: None = this process's GPU (cuda:LOCAL_RANK, as torchrun and Lightning set it) when
-                CUDA is available, else CPU.
+            device: None = the CPU (the trainer passes its root device, scripts `process_device()`).
             vq_config: the VQ architecture (`VQ16Config` or its fields); None = the official VQ-16.
             folder: where the official files lie; None = $LLAMAGEN_DIR, else `pretrained_models`.
             **kwargs: passed to `LlamaGenT2ITarget` (name, sampling, clean_captions, aux_layer_ids).

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +243,16 @@ class LuminaTarget(TransformersDecoderTarget):
         self.pixel_size = (rows * 16, cols * 16)
         """(H, W) in the prompt text: 16 px per code as upstream (768 x 768 for 48 x 48), whatever the tiny VQ."""
 
+    def to(self, device: torch.device | str) -> Self:
+        """Move the Chameleon model (decoder, head, VQ codebook), the VQ decoder when it is a module (a VQGAN loaded
+        later lands on the target's device then) and the two id tables (`token_ids`, `interface_index`) to `device`."""
+        self.model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`: mypy sees no self
+        if isinstance(self.vq_decoder, torch.nn.Module):
+            self.vq_decoder.to(device)
+        self.token_ids = self.token_ids.to(device)
+        self.interface_index = self.interface_index.to(device)
+        return self
+
     # ------------------------------------------------------------------ loading
 
     @classmethod
@@ -258,7 +268,7 @@ class LuminaTarget(TransformersDecoderTarget):
         Args:
             path: folder with `config.json`, the weights and the tokenizer files, or a hub id.
             dtype: weights' dtype; None = bfloat16 on GPU, float32 on CPU.
-            device: None = this process's GPU (cuda:LOCAL_RANK) when CUDA is available, else CPU.
+            device: None = the CPU (the trainer passes its root device, scripts `process_device()`).
             **kwargs: passed to `LuminaTarget` (name, sampling, grid, max_prompt_tokens, aux_layer_ids,
                 vq_decoder, vqgan_path, vqgan_config); `vqgan_path=".../vqgan.ckpt"` enables `decode_images`
                 (and `latent_table` when the checkpoint holds no VQ codebook, whose absence is recorded here).

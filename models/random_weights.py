@@ -211,7 +211,8 @@ def random_target(
 ) -> DecoderTarget:
     """The target `name` with random weights: the released architecture (`size="real"`) or a tiny one.
 
-    dtype None = bfloat16 on GPU, float32 on CPU; device None = this process's GPU when there is one.
+    dtype None = bfloat16 on GPU, float32 on CPU; device None = the CPU, never a GPU unasked (a trainer passes
+    its root device through `models.registry.shared_target`, a script `process_device()` or `--device`).
     """
     if name not in RANDOM_BUILDERS:
         raise ValueError(f"no random-weight architecture for target {name!r}; known: {', '.join(RANDOM_BUILDERS)}")

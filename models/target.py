@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -154,6 +155,17 @@ class ImageTarget(ABC):
     @property
     def device(self) -> torch.device:
         return self.image_head_weight().device
+
+    @abstractmethod
+    def to(self, device: torch.device | str) -> Self:
+        """Move every tensor the target holds to `device`, in place, and return the target itself.
+
+        Every tensor: the networks' parameters and buffers (language model, caption encoder, VQ decoder and
+        its codebook) and the index or lookup tables the target keeps beside them. Dtypes stay as loaded
+        (precision is chosen when the target is built: a VQ decoder or rotary table the target keeps in
+        float32 stays float32). The trainer calls it with its root device when a target was loaded elsewhere;
+        loaders take `device=` to build the target there directly.
+        """
 
     @abstractmethod
     def condition(self, prompts: list[str], cfg: bool = True) -> Conditioning:

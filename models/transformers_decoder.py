@@ -163,13 +163,34 @@ class TransformersDecoderTarget(DecoderTarget):
 
 
 def placement(device: torch.device | str | None, dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:
-    """Where and in what precision a real target loads.
+    """Where and in what precision a target loads.
 
-    device None = this process's GPU (cuda:LOCAL_RANK, as torchrun and Lightning set it: one replica
-    per rank) when CUDA is available, else the CPU; dtype None = bfloat16 on GPU, float32 on CPU; a
-    string names a torch dtype ("bfloat16").
+    device None = the CPU: a target goes to an accelerator only when its caller says which one. The
+    Lightning path passes the trainer's root device (`DrafterSystem.setup` and `DrafterDataModule` through
+    `models.registry.shared_target`: cuda:<local rank> as the strategy's cluster environment knows it, under
+    torchrun and `srun` alike); scripts run outside Lightning pass `process_device()`. dtype None = bfloat16
+    on GPU, float32 elsewhere; a string names a torch dtype ("bfloat16").
     """
-    local_gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    resolved = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
+    resolved = torch.device(device if device is not None else "cpu")
     named = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return resolved, named or (torch.bfloat16 if resolved.type == "cuda" else torch.float32)
+
+
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
+"""Where launchers put a process's rank on its node: torchrun's LOCAL_RANK, then srun's SLURM_LOCALID."""
+
+
+def process_device() -> torch.device:
+    """This process's GPU for a script launched outside Lightning (one process per GPU), else the CPU.
+
+    cuda:<local rank> when CUDA is available, the local rank read from torchrun's LOCAL_RANK or srun's
+    SLURM_LOCALID (0 when neither is set); the CPU otherwise. Training never calls this: a Lightning run
+    places its target on the strategy's root device.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    for variable in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(variable)
+        if value is not None and value.strip():
+            return torch.device("cuda", int(value))
+    return torch.device("cuda", 0)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models built in memory, and test hygiene (default dtype, seeds)."""
+"""Shared fixtures: tiny random models built in memory, and test hygiene (default dtype, seeds; `gpu` tests skipped
+without CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not torch.cuda.is_available():  # on a GPU host DeepSpeed keeps its CUDA accelerator for the `gpu` tests
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from models.llamagen import LlamaGenConfig  # noqa: E402
 from models.target import SamplingDefaults  # noqa: E402
@@ -16,6 +18,18 @@ from models.toy.model import CaptionEncoderConfig, ToyTextToImage  # noqa: E402
 from models.toy.target import ToyTarget  # noqa: E402
 from models.toy.vq import PatchVQ  # noqa: E402
 from models.toy.world import MAX_CAPTION_WORDS, PATCH_SIZE  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every `@pytest.mark.gpu` test, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    built = torch.version.cuda or "no CUDA"
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                                   f"built with {built})")  # fmt: skip
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

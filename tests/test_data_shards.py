@@ -26,6 +26,7 @@ from data.shards import FieldSpec, ShardError, ShardWriter, decode_npy, encode_n
 from data.validate import validate_dataset
 from inference.decoding.autoregressive import generate_ar
 from inference.decoding.sampling import combine_cfg
+from models.registry import process_target_options
 from models.target import Conditioning
 
 
@@ -257,7 +258,10 @@ def test_target_options_reach_the_target_loader(tmp_path, tiny_target, monkeypat
 
     monkeypatch.setattr(data.extract, "load_target", fake_load_target)
     assert run_extraction(config, rank=0, world_size=1, progress=False) is not None
-    assert calls == [("janus-pro-7b", {"path": "/models/Janus-Pro-7B", "dtype": "bfloat16"})]
+    # a script outside Lightning adds this process's GPU on a CUDA host (`process_target_options`), nothing on a CPU one
+    name, options = calls[0]
+    assert len(calls) == 1 and name == "janus-pro-7b"
+    assert options == {"path": "/models/Janus-Pro-7B", "dtype": "bfloat16", **process_target_options(name, {})}
 
 
 def test_writer_output_is_byte_reproducible(tmp_path):

@@ -15,6 +15,7 @@ target's own AR distribution, which never increases TV distance, and compared wi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -197,8 +198,11 @@ def build_batch(world: World, trees: list, sampled: bool) -> tuple[Tree, TargetV
     return tree, view, torch.tensor([r[3] for r in rows], dtype=torch.float64)
 
 
-def step_distribution(world: World, tree: Tree, view: TargetView, weights: torch.Tensor, rule) -> dict:
-    """Exact distribution of one verification step's output, completed to HORIZON with AR."""
+def step_distribution(
+    world: World, tree: Tree, view: TargetView, weights: torch.Tensor, rule, device: str = "cpu"
+) -> dict:
+    """Exact distribution of one verification step's output, completed to HORIZON with AR; `verify` runs on `device`
+    (tests/test_gpu.py runs it on CUDA), the enumeration around it on the CPU."""
     batch = tree.tokens.shape[0]
     depth, width = tree.max_depth, tree.max_children
     patterns = list(itertools.product((0.0, 1.0), repeat=depth * width))
@@ -213,7 +217,7 @@ def step_distribution(world: World, tree: Tree, view: TargetView, weights: torch
     )  # fmt: skip
     big_view = TargetView(tile(view.probs), tile(view.greedy_tokens), tile(view.features))
     forced = torch.tensor(patterns).view(1, count, depth, width).expand(batch, -1, -1, -1).reshape(-1, depth, width)
-    verdict = verify(big, big_view, rule, Uniforms(forced, torch.zeros(batch * count)))
+    verdict = verify_on(device, big, big_view, rule, Uniforms(forced, torch.zeros(batch * count)))
     made = ~torch.isnan(verdict.accept_prob)  # (rows, depth, width)
     chance = verdict.accept_prob.double().nan_to_num(0.0)
     factor = torch.where(forced == 0.0, chance, 1 - chance)
@@ -238,6 +242,18 @@ def step_distribution(world: World, tree: Tree, view: TargetView, weights: torch
     return out
 
 
+def verify_on(device: str, tree: Tree, view: TargetView, rule, uniforms: Uniforms):
+    """`verify` with its inputs on `device`, its verdict brought back to the CPU."""
+    if device == "cpu":
+        return verify(tree, view, rule, uniforms)
+    moved = Tree(tree.tokens.to(device), tree.parents.to(device), tree.depths.to(device), tree.q_full.to(device),
+                 tree.sampled, tree.max_depth, tree.max_children)  # fmt: skip
+    parts = (view.probs, view.greedy_tokens, view.features)
+    moved_view = TargetView(*(None if t is None else t.to(device) for t in parts))
+    verdict = verify(moved, moved_view, rule, Uniforms(uniforms.accept.to(device), uniforms.bonus.to(device)))
+    return dataclasses.replace(verdict, **{f.name: getattr(verdict, f.name).cpu() for f in dataclasses.fields(verdict)})
+
+
 def total_variation(a: dict, b: dict) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
@@ -259,10 +275,10 @@ def enumerate_kind(world: World, kind: str):
     return [build_batch(world, group, sampled) for group in by_size.values()]
 
 
-def output_tv(world: World, batches, rule) -> float:
+def output_tv(world: World, batches, rule, device: str = "cpu") -> float:
     total: dict = defaultdict(float)
     for tree, view, weights in batches:
-        for key, value in step_distribution(world, tree, view, weights, rule).items():
+        for key, value in step_distribution(world, tree, view, weights, rule, device).items():
             total[key] += value
     assert sum(total.values()) == pytest.approx(1.0, abs=1e-6)
     return total_variation(total, world.ar())

@@ -138,7 +138,7 @@ def test_bench_random_weights_cli_writes_the_report(tmp_path, capsys):
 
     out = tmp_path / "latency.json"
     main(["--target", "lumina-mgpt-7b", "--random-weights", "--size", "tiny", "--target-only", "--tree-nodes", "9",
-          "--latency-steps", "2", "--threads", "1", "--out", str(out)])  # fmt: skip
+          "--latency-steps", "2", "--threads", "1", "--device", "cpu", "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     assert "tree verify (9 nodes/row)" in printed and "verify / AR" in printed
     saved = json.loads(out.read_text())
@@ -192,7 +192,7 @@ def test_bench_latency_measures_the_whole_speculative_step(tmp_path, capsys):
 
     out = tmp_path / "step.json"
     argv = ["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--latency-steps", "2",
-            "--threads", "1", "--out", str(out)]  # fmt: skip
+            "--threads", "1", "--device", "cpu", "--out", str(out)]  # fmt: skip
     (summary,) = main(argv)
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
@@ -225,10 +225,11 @@ def test_bench_latency_refuses_target_only_options_for_the_whole_step():
     from inference.measure.bench import main
 
     with pytest.raises(SystemExit, match="--tree-nodes shape"):
-        main(["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--tree-nodes", "9"])
+        main(["--latency", "--target", "janus-pro-7b", "--random-weights", "--size", "tiny", "--tree-nodes", "9",
+              "--device", "cpu"])  # fmt: skip
     with pytest.raises(SystemExit, match="tau"):
         main(["--latency", "--target", "llamagen-xl", "--random-weights", "--size", "tiny", "--tau", "0.5",
-              "--rules", "exact", "--latency-steps", "1", "--threads", "1"])  # fmt: skip
+              "--rules", "exact", "--latency-steps", "1", "--threads", "1", "--device", "cpu"])  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_BUILDERS))

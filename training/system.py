@@ -11,7 +11,11 @@ trainer's data module for it.
 The drafter (`models.eagle.EagleDraftModel`) is built in `configure_model` from its config alone,
 so checkpoints load without the target, and strategies that shard parameters (DeepSpeed ZeRO-3)
 see it at the right time. The target is loaded in `setup` and kept outside the module tree
-(`self.frozen_target` is a plain attribute): the strategy never wraps, trains or saves it. With
+(`self.frozen_target` is a plain attribute): the strategy never wraps, trains or saves it. It is
+loaded straight onto the trainer's root device (`trainer.strategy.root_device`: cuda:<local rank> as
+the strategy's cluster environment reads it, under torchrun, srun or a single process; Lightning runs
+`setup` before it moves the module, so the strategy's device is the one to ask), never from
+environment variables; `target_options.device` may name that same device, nothing else. With
 `data.features: online` it also computes each batch's states from its tokens before the step
 (`on_after_batch_transfer`, `training.online_features`).
 
@@ -41,7 +45,7 @@ from torch import Tensor
 
 from inference.decoding.eagle import check_compatible
 from models.eagle import EagleDraftModel, count_parameters, drafter_preset
-from models.registry import shared_target
+from models.registry import shared_target, target_device
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
 from training.online_features import fill_online_features
@@ -156,8 +160,20 @@ class DrafterSystem(L.LightningModule):
         assert self.model is not None
         return self.model
 
+    def target_placement(self) -> torch.device | None:
+        """The device this process's target goes to: the trainer's root device (`trainer.strategy.root_device`,
+        the local rank's GPU under DDP and DeepSpeed, whichever launcher started the process), reconciled with
+        `target_options.device` (`models.registry.target_device`); without a trainer, the options' device or None
+        (the CPU).
+
+        Raises:
+            ValueError: when `target_options.device` names another device than the trainer's.
+        """
+        root = self._trainer.strategy.root_device if self._trainer is not None else None
+        return target_device(self.target_options, root)
+
     def setup(self, stage: str) -> None:
-        target = shared_target(self.target_name, self.target_options)
+        target = shared_target(self.target_name, self.target_options, device=self.target_placement())
         check_compatible(self.drafter, target)
         width = target.embed_image_tokens(torch.zeros(1, dtype=torch.long, device=target.device)).shape[-1]
         if width != self.drafter_config.hidden_size:
@@ -199,10 +215,8 @@ class DrafterSystem(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.frozen_target is not None and self.frozen_target.device != self.device:
-            mover = getattr(self.frozen_target, "to", None)
-            if mover is None:
-                raise ValueError(f"target {self.target_name!r} sits on {self.frozen_target.device}, not {self.device}")
-            mover(self.device)
+            # set up before a trainer was attached (setup places it on the root device otherwise): one move
+            self.frozen_target = self.frozen_target.to(self.device)
         if self.global_rank == 0:
             print(
                 f"drafter: {self.drafter_config.architecture}, {count_parameters(self.drafter) / 1e6:.2f} M trainable "

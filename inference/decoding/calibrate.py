@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if out.exists() and not args.overwrite:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
     from inference.decoding.eagle import EagleDrafter
-    from models.registry import load_target
+    from models.registry import load_target_for_process
     from models.toy import toy_captions
 
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
     prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
     quantiles = {"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq}

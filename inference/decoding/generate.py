@@ -47,7 +47,7 @@ from inference.decoding.peer_rules import LANTERN_K, LANTERN_PP_K, LANTERN_PP_LA
 from inference.decoding.rules import RULES, GSDRule, LanternRule, Rule
 from inference.decoding.speculative import TREE_KINDS, DecoderConfig, SpeculativeGeneration, generate_speculative
 from inference.decoding.verify import build_latent_neighbours, verify
-from models.registry import load_target
+from models.registry import load_target_for_process
 from models.target import ImageTarget
 
 RULE_CLASSES: dict[str, type] = RULES
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     batch_size = args.batch_size or (1 if args.drafter else 16)
     if batch_size < 1:
         raise SystemExit(f"--batch-size must be at least 1, got {batch_size}")
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k", "top_p")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
     prompts = [args.prompt] * args.num_images if args.prompt else read_prompt_lines(args.prompts)

@@ -17,8 +17,8 @@ by AR or by the tree decoder with `--drafter`, `--rule` and the tree options of 
 Each image is written as `images/NNNNN.png` with its record `records/NNNNN.json` (caption, seed, tau,
 target and drafter forwards, decoder seconds and wall seconds); when all are there, `images.jsonl` (one
 line per image) and `summary.json`. Under torchrun (RANK / WORLD_SIZE, one GPU per process: real targets
-load on cuda:LOCAL_RANK) rank r decodes captions r, r + W, ...; no process group is needed. A rerun skips
-finished images; every file is renamed into place whole, so a run killed at any moment (kill -9
+load on cuda:LOCAL_RANK, `process_device()`) rank r decodes captions r, r + W, ...; no process group is
+needed. A rerun skips finished images; every file is renamed into place whole, so a run killed at any moment (kill -9
 included) and rerun ends with the same files as an uninterrupted run (only the timings differ). The
 folder's `run.json` records the run's identity; a rerun with another target, drafter, rule, tree,
 sampling, seed or caption list is refused before anything is written (`inference.evaluation.eval_folder`).
@@ -78,7 +78,7 @@ from inference.evaluation.eval_folder import (
     remove_stale_temps,
     save_image,
 )
-from models.registry import load_target
+from models.registry import load_target_for_process
 from models.target import ImageTarget, SamplingDefaults
 
 PROMPT_SETS: dict[str, tuple[str, str | None]] = {
@@ -235,7 +235,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any] | None:
         config = decoder_config(args) if args.drafter else None
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    target = load_target(args.target, **target_options)
+    target = load_target_for_process(args.target, **target_options)
     config = None if config is None else config.for_target(target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k", "top_p")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})

@@ -82,7 +82,7 @@ from inference.measure.cost import run_count_ops
 from inference.measure.methods import SWEEP_GRID, Method, load_grid, parse_methods, sweep_methods
 from inference.measure.report import Quality, format_markdown, format_table, plot_sweep, sweep_title
 from inference.measure.step_latency import add_latency_arguments, run_latency_command
-from models.registry import load_target
+from models.registry import load_target_for_process
 from models.target import ImageTarget, SamplingDefaults
 from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         config = decoder_config(args)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     config = config.for_target(target)
     overrides = {name: getattr(args, name) for name in ("cfg_scale", "temperature", "top_k")}
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})

@@ -36,7 +36,7 @@ from inference.measure.bench import build_rules, run_methods, summarise
 from inference.measure.methods import load_grid, parse_methods, sweep_methods
 from inference.measure.report import Quality, format_markdown, plot_sweep
 from inference.measure.step_latency import tree_name
-from models.registry import load_target
+from models.registry import load_target_for_process
 from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
 from models.toy import toy_captions
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         methods = sweep_methods(load_grid(args.grid), parse_methods("ar", None))
     except (ValueError, KeyError, OSError) as error:
         raise SystemExit(f"--grid {args.grid}: {error}") from None
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     from inference.decoding.eagle import EagleDrafter
 
     try:

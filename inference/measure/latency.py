@@ -1,6 +1,6 @@
 """Target latency of one AR decoding step against one tree verification, on a target's own forward.
 
-    target = random_target("janus-pro-7b")                    # or any loaded ImageTarget
+    target = random_target("janus-pro-7b", device="cuda")     # or any loaded ImageTarget
     report = measure_target_latency(target, tree_nodes=60)
     print(format_latency(report))
 

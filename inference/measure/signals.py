@@ -441,9 +441,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     from inference.decoding.eagle import EagleDrafter
-    from models.registry import load_target
+    from models.registry import load_target_for_process
 
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
     if args.target == "toy":
         from models.toy import scene_reader, toy_captions

@@ -373,12 +373,13 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
 def _build_target(args: argparse.Namespace) -> ImageTarget:
     if args.random_weights:
         from models.random_weights import random_target
+        from models.transformers_decoder import process_device
 
-        return random_target(args.target, args.size, args.dtype, args.device, seed=args.seed)
-    from models.registry import load_target
+        return random_target(args.target, args.size, args.dtype, args.device or process_device(), seed=args.seed)
+    from models.registry import load_target_for_process
 
     placement = {name: getattr(args, name) for name in ("dtype", "device") if getattr(args, name) is not None}
-    return load_target(args.target, **placement)
+    return load_target_for_process(args.target, **placement)
 
 
 def _build_drafter(args: argparse.Namespace, target: ImageTarget) -> tuple[Drafter, str]:

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     from inference.decoding.files import write_json
     from inference.decoding.generate import build_rule, read_prompt_lines
-    from models.registry import load_target
+    from models.registry import load_target_for_process
 
     try:
         draft_counts = [int(n) for n in args.drafts.split(",")]
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(f"{existing[0]} exists: pass --overwrite to replace it, or another --out")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_target_for_process(args.target)
     if args.prompts:
         prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
     else:

@@ -13,6 +13,7 @@ Shapes: B prompts, R rows, T new tokens, C caption slots, D width, V image vocab
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -49,15 +50,26 @@ class ToyTarget(DecoderTarget):
         self.geometry = ImageGeometry(grid=vq.grid, image_size=(vq.image_size, vq.image_size))
 
     @classmethod
-    def from_assets(cls, folder: str | Path = ASSETS) -> ToyTarget:
-        """Load the shipped (or a retrained) toy target from `toy_target.safetensors` + `toy_vq.safetensors`."""
+    def from_assets(cls, folder: str | Path = ASSETS, device: torch.device | str | None = None) -> ToyTarget:
+        """Load the shipped (or a retrained) toy target from `toy_target.safetensors` + `toy_vq.safetensors`.
+
+        device None = the CPU (the trainer passes its root device); the weights stay float32.
+        """
         folder = Path(folder)
         for file in ("toy_target.safetensors", "toy_vq.safetensors"):
             if not (folder / file).exists():
                 raise FileNotFoundError(
                     f"{folder / file} is missing; train it with `python -m models.toy.train --out {folder}`"
                 )
-        return cls(ToyTextToImage.load(folder / "toy_target.safetensors"), PatchVQ.load(folder / "toy_vq.safetensors"))
+        network = ToyTextToImage.load(folder / "toy_target.safetensors")
+        target = cls(network, PatchVQ.load(folder / "toy_vq.safetensors"))
+        return target if device is None else target.to(device)
+
+    def to(self, device: torch.device | str) -> Self:
+        """Move the caption encoder, the GPT (its rotary table included) and the VQ codebook to `device`."""
+        self.network.to(device)
+        self.vq.to(device)
+        return self
 
     @property
     def hidden_size(self) -> int:
@@ -120,4 +132,4 @@ class ToyTarget(DecoderTarget):
 
     @torch.no_grad()
     def decode_images(self, tokens: Tensor) -> Tensor:
-        return self.vq.decode(tokens.cpu())
+        return self.vq.decode(tokens.to(self.vq.codebook.device)).cpu()  # (B, H, W, 3) uint8 on the CPU
