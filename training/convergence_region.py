@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from data.drafter_data import DrafterDataModule
 from data.extract_config import resolve_config_path
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
+from inference.measure.provenance import provenance
 from inference.measure.signals import DEFAULT_PIXEL_THRESHOLD, roc_auc
 from models.target import ImageTarget
 from training.losses import convergent_positions, later_pairs, later_similarity

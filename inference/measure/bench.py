@@ -66,7 +66,7 @@ from tqdm import tqdm
 
 from inference.decoding.autoregressive import generate_ar
 from inference.decoding.compiled import add_compile_argument, compile_decoding
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
 from inference.decoding.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -80,6 +80,7 @@ from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_
 from inference.decoding.verify import Rule, Verdict, verify
 from inference.measure.cost import run_count_ops
 from inference.measure.methods import SWEEP_GRID, Method, load_grid, parse_methods, sweep_methods
+from inference.measure.provenance import provenance
 from inference.measure.report import Quality, format_markdown, format_table, plot_sweep, sweep_title
 from inference.measure.step_latency import add_latency_arguments, run_latency_command
 from models.registry import load_target

@@ -54,12 +54,13 @@ from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc
 from tqdm import tqdm
 
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
 from inference.decoding.rules import ExactRule
 from inference.decoding.sampling import processed_distribution
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.decoding.tree import Tree
 from inference.decoding.verify import TargetView, Verdict
+from inference.measure.provenance import provenance
 from models.target import ImageTarget, teacher_forced_states
 
 PAIR_KINDS = ("sibling", "parent")
