@@ -21,7 +21,8 @@ One table, one row per method:
 - where the time of a step goes: the rule (`inference.decoding.verify.verify`), the target forward over the
   tree, drafting, and building the target view (CFG, softmax), in ms per verification step, and the
   rule's share of the step. They are timed by wrappers installed around those functions for the run
-  (`StepTimer`, the decode loop's phase hooks; on CUDA each phase synchronises, which perturbs the timing a little).
+  (`DecodePhaseTimer`, the decode loop's phase hooks; on CUDA each phase synchronises, which perturbs the timing a
+  little).
 
 `--sweep` decodes the prompts with a grid of rule settings instead (CASCADE's delta and thresholds,
 LANTERN's delta, LANTERN++'s lambda, GSD's group size; `inference.measure.methods.SWEEP_GRID`, or
@@ -116,7 +117,7 @@ class Tally:
     timings: dict[str, float] = field(default_factory=dict)  # part -> seconds
 
 
-class StepTimer(DecodeHooks):
+class DecodePhaseTimer(DecodeHooks):
     """Seconds spent in each phase of the decode loop (draft, target, view, verify, commit), through the
     decoder's own hooks (`inference.decoding.speculative.DecodeHooks`); AR decodes count as "target" time."""
 
@@ -161,7 +162,7 @@ def _decode_one(
     settings: SamplingDefaults,
     config: DecoderConfig,
     seed: int,
-    timer: StepTimer,
+    timer: DecodePhaseTimer,
     verifier: Callable[..., Verdict] = verify,
 ) -> tuple[Tensor, dict[str, float]]:
     """One image: tokens (G,) and its costs; the time of each decode phase goes to `timer`."""
@@ -212,7 +213,7 @@ def run_methods(
         raise ValueError("speculative rules need a drafter (--drafter)")
     tallies = {m.label: Tally() for m in methods}
     floor: list[Tensor] = []
-    timer = StepTimer(target)
+    timer = DecodePhaseTimer(target)
     if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
         for m in methods:
             _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1, timer, verifier)
