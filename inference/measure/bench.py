@@ -20,9 +20,9 @@ One table, one row per method:
   of one run only; the AR row shows the distance between two independent AR draws, the noise floor;
 - where the time of a step goes: the rule (`inference.decoding.verify.verify`), the target forward over the
   tree, drafting, and building the target view (CFG, softmax), in ms per verification step, and the
-  rule's share of the step. They are timed by wrappers installed around those functions for the run
-  (`DecodePhaseTimer`, the decode loop's phase hooks; on CUDA each phase synchronises, which perturbs the timing a
-  little).
+  rule's share of the step. The decode loop reports each phase to `DecodePhaseTimer` through its hooks
+  (`inference.decoding.speculative.DecodeHooks`; nothing is wrapped or replaced); on CUDA each phase synchronises,
+  which perturbs the timing a little.
 
 `--sweep` decodes the prompts with a grid of rule settings instead (CASCADE's delta and thresholds,
 LANTERN's delta, LANTERN++'s lambda, GSD's group size; `inference.measure.methods.SWEEP_GRID`, or
