@@ -1,7 +1,7 @@
 """EAGLE-1 and EAGLE-3 drafter heads (plain torch), their presets and checkpoints (the config: `models.drafter_config`).
 
 A drafter reads pairs (feature_t, token_{t+1}) and predicts what follows token_{t+1}
-(docs/method.md, section "EAGLE-1", docs/method.md, section "EAGLE-3"):
+(docs/method.md, sections "EAGLE-1" and "EAGLE-3"):
 
 - EAGLE-1: x = fc([embed(token), feature]) (2H -> H, bias), one decoder layer without an input
   norm, output = the predicted next target feature; logits = the frozen target image head(output).
@@ -15,8 +15,7 @@ A drafter reads pairs (feature_t, token_{t+1}) and predicts what follows token_{
 The frozen token embedding (and, for EAGLE-1, the image head) belong to the target and are passed
 in as tensors / callables: they are never parameters of this module, so they are neither trained
 nor saved. Module and parameter names follow the serving layouts (docs/method.md, section "Serving layouts"): EAGLE-3
-`fc`,
-`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; EAGLE-1 `fc`, `layers.0.*`.
+`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; EAGLE-1 `fc`, `layers.0.*`.
 
 `unroll` is the training-time test (TTT): K steps over a whole sequence, each step's element t
 attending to step-0 elements <= t (target-fed context) and to itself at earlier steps (its draft

@@ -1,10 +1,8 @@
 """The peers' verification rules, as their authors' code does them (docs/method.md, section "The baselines, as their
 authors' code runs them"): LANTERN and LANTERN++ and GSD (GSD-blocks and the CASCADE development code's rule have
-modules of their own,
-`inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual or relax without a
-budget, so they carry no TV guarantee;
-`inference.decoding.rules` holds the registry of every rule and their shared interface (`test_slot`,
-`acceptance_at_once`).
+modules of their own, `inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual
+or relax without a budget, so they carry no TV guarantee; `inference.decoding.rules` holds the registry of every rule
+and their shared interface (`test_slot`, `acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
 width.
