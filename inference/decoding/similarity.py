@@ -15,8 +15,8 @@ from torch import Tensor
 
 
 def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Mean-centred cosine similarity in fp32 (docs/method.md, section "The similarity and its representation") of (...,
-    D) against (..., D) -> (...)."""
+    """Mean-centred cosine similarity in fp32 of (..., D) against (..., D) -> (...) (docs/method.md, section "The
+    similarity and its representation")."""
     a = a.float() - a.float().mean(-1, keepdim=True)
     b = b.float() - b.float().mean(-1, keepdim=True)
     return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-8)
