@@ -11,7 +11,7 @@ same one without communicating:
 2. Node split: rank r takes the contiguous run of samples [r N / W, (r + 1) N / W). Every rank gets
    ceil(N / W) rows; a rank with one sample fewer gets one padding row. So each sample is seen
    exactly once per epoch, and every rank runs the same number of batches whatever the shard
-   counts (uneven shards otherwise hang or crash DDP, ecosystem.md section 3).
+   counts (uneven shards otherwise hang or crash DDP: docs/architecture.md, section "Even batches on every rank").
 3. Worker split: the rank's rows are cut into `num_workers` contiguous runs the same way.
 4. Each worker reads its runs (a run may start or end inside a shard; skipped samples cost a seek),
    mixes them through a shuffle buffer seeded by (seed, epoch, rank, worker), and collates batches.

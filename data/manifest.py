@@ -1,6 +1,6 @@
 """The manifest of a dataset folder: what it holds, read field by field with every field's type checked.
 
-`manifest.json` (design.md, "Shards") names the schema version, the target the features come from
+`manifest.json` (docs/architecture.md, section "Shards") names the schema version, the target the features come from
 (`TargetIdentity`: hidden size, EAGLE-3 layer ids, image vocabulary, grid), the sampling settings
 and prompt set, the array fields with their dtypes and widths, and every shard with its sample count,
 sha256, size and first global sample index.

@@ -3,9 +3,9 @@
 The manifest is `data.manifest`, the errors `data.errors` (both re-exported here), reading
 `data.shard_reader`, `--validate` `data.validate`.
 
-A dataset is a folder holding `manifest.json` and `shard-NNNNNN.tar` files (see design.md,
-"Shards"). Each shard is a WebDataset tar written with `webdataset.TarWriter`; a sample is one key
-(its global sample index, `000000042`) with these members:
+A dataset is a folder holding `manifest.json` and `shard-NNNNNN.tar` files (docs/architecture.md, section "Shards").
+Each shard is a WebDataset tar written with `webdataset.TarWriter`; a sample is one key (its global sample index,
+`000000042`) with these members:
 
     000000042.tokens.npy          (L,) int16/int32   generated image tokens
     000000042.hidden.npy          (L, D) fp16        conditional last-layer post-norm features
@@ -29,7 +29,7 @@ row j; no logits are stored.
 
 Why raw `.npy` and not safetensors or pickle: a `.npy` member is a short header plus the raw array
 bytes, so `decode_npy` returns an `np.frombuffer` view of the bytes read from the tar, with no copy
-and no unpickling (safe and fastest, ecosystem.md section 3); any tool that reads WebDataset (or
+and no unpickling (safe and fastest; docs/architecture.md, section "Shards"); any tool that reads WebDataset (or
 `numpy.load`) reads it too, and one array per member keeps a sample's fields independently
 selectable. safetensors would add a JSON header per sample for the same zero-copy view.
 

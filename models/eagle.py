@@ -1,7 +1,7 @@
 """EAGLE-1 and EAGLE-3 drafter heads (plain torch), their presets and checkpoints (the config: `models.drafter_config`).
 
 A drafter reads pairs (feature_t, token_{t+1}) and predicts what follows token_{t+1}
-(design.md "Drafters"; peers.md §1.2, §1.5):
+(docs/method.md, sections "EAGLE-1" and "EAGLE-3"):
 
 - EAGLE-1: x = fc([embed(token), feature]) (2H -> H, bias), one decoder layer without an input
   norm, output = the predicted next target feature; logits = the frozen target image head(output).
@@ -14,8 +14,8 @@ A drafter reads pairs (feature_t, token_{t+1}) and predicts what follows token_{
 
 The frozen token embedding (and, for EAGLE-1, the image head) belong to the target and are passed
 in as tensors / callables: they are never parameters of this module, so they are neither trained
-nor saved. Module and parameter names follow the serving layouts (peers.md §4): EAGLE-3 `fc`,
-`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; EAGLE-1 `fc`, `layers.0.*`.
+nor saved. Module and parameter names follow the serving layouts (docs/method.md, section "Serving layouts"): EAGLE-3
+`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; EAGLE-1 `fc`, `layers.0.*`.
 
 `unroll` is the training-time test (TTT): K steps over a whole sequence, each step's element t
 attending to step-0 elements <= t (target-fed context) and to itself at earlier steps (its draft
@@ -50,7 +50,7 @@ SERVING_ARCHITECTURE = {"eagle1": "EagleLlamaForCausalLM", "eagle3": "LlamaForCa
 
 
 # Presets: (hidden, heads, kv heads, intermediate, vocab). The real targets' values come from their
-# configs (targets.md, peers.md §6); a drafter layer copies the target's layer shape.
+# configs (docs/targets.md); a drafter layer copies the target's layer shape.
 _SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (32, 2, 2, 64, 64),
     "toy": (128, 2, 2, 344, 4096),
@@ -248,7 +248,8 @@ class EagleDraftModel(nn.Module):
         return folder
 
     def serving_config(self) -> dict[str, Any]:
-        """config.json: the drafter config plus the LlamaConfig fields serving engines read (peers.md §4)."""
+        """config.json: the drafter config plus the LlamaConfig fields serving engines read (docs/method.md, section
+        "Serving layouts")."""
         config = self.config
         return {
             "architectures": [SERVING_ARCHITECTURE[config.architecture]],

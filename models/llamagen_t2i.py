@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 OFFICIAL_SAMPLING = SamplingDefaults(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
 """Upstream `sample_t2i.py` / `sample_t2i_ddp.py` defaults."""
 LANTERN_SAMPLING = SamplingDefaults(cfg_scale=3.0, temperature=1.0, top_k=2000, top_p=1.0)
-"""LANTERN `generate_images.py` defaults, used by every CASCADE dev run (cascade.md 2.1)."""
+"""LANTERN `generate_images.py` defaults, used by every CASCADE dev run (docs/method.md, section "Recipes")."""
 SAMPLING_PRESETS: dict[str, SamplingDefaults] = {
     "official": OFFICIAL_SAMPLING,
     "lantern": LANTERN_SAMPLING,

@@ -1,10 +1,10 @@
 """Textbook tree verification, one row and one node at a time, in plain Python floats (tests only).
 
-Written from the algorithm's description (recursive rejection sampling along the tree; cascade.md
-§2.4, §4 and §5), not from `inference.decoding.verify`, with which it shares no code: lists instead of
-tensors, the walk followed literally, the budget spent test by test. The tests compare it with the
-vectorised `verify` on the same uniforms and use its exact acceptance probabilities to enumerate
-output distributions.
+Written from the algorithm's description (recursive rejection sampling along the tree; docs/method.md, sections
+"Tree verification", "CASCADE as implemented" and "The baselines, as their authors' code runs them"), not from
+`inference.decoding.verify`, with which it shares no code: lists instead of tensors, the walk followed literally, the
+budget spent test by test. The tests compare it with the vectorised `verify` on the same uniforms and use its exact
+acceptance probabilities to enumerate output distributions.
 """
 
 from __future__ import annotations

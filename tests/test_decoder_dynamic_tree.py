@@ -1,10 +1,10 @@
 """EAGLE-2 dynamic-tree drafting (`draft_dynamic_tree`) against a per-row textbook loop in plain Python.
 
 The drafter is a lookup table: its logits after a token are that token's row, whatever the context, so the
-reference can follow EAGLE-2's expansion literally (cascade.md §2.3): the root's top-k, then per level the
-top-k children of every frontier node scored by cumulative log q, the top-k of those as the next frontier,
-and finally the best `total_tokens - 1` candidates. The vectorised drafter must build the same tree and
-write q over the vocabulary at exactly the kept nodes the drafter ran on.
+reference can follow EAGLE-2's expansion literally (docs/method.md, section "Drafting a tree"): the root's top-k, then
+per level the top-k children of every frontier node scored by cumulative log q, the top-k of those as the next frontier,
+and finally the best `total_tokens - 1` candidates. The vectorised drafter must build the same tree and write q over the
+vocabulary at exactly the kept nodes the drafter ran on.
 """
 
 from __future__ import annotations

@@ -451,11 +451,12 @@ def test_lantern_follows_evaluate_posterior_by_hand():
 
 
 def test_lantern_defaults_are_the_published_settings():
-    # LANTERN: jadohu/LANTERN `evaluate_posterior(..., lantern_k=1000, lantern_delta=0.1)` (cascade.md §5.2).
+    # LANTERN: jadohu/LANTERN `evaluate_posterior(..., lantern_k=1000, lantern_delta=0.1)` (docs/method.md, section "The
+    # baselines, as their authors' code runs them").
     lantern = LanternRule(neighbours=torch.zeros(3, LANTERN_K + 1, dtype=torch.long))
     assert (lantern.k, lantern.delta, lantern.lam, LANTERN_K, LANTERN_DELTA) == (1000, 0.1, None, 1000, 0.1)
-    # LANTERN++: the CASCADE authors' baseline `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5):
-    # with lam set, k falls back to 10, not to LANTERN's 1000.
+    # LANTERN++: the CASCADE authors' baseline `--lantern_k 10 --lantern_delta 3.0` (docs/method.md, section "The
+    # baselines, as their authors' code runs them"): with lam set, k falls back to 10, not to LANTERN's 1000.
     plus = LanternRule(neighbours=torch.zeros(3, 11, dtype=torch.long), lam=LANTERN_PP_LAM)
     assert (plus.k, plus.lam, plus.name, LANTERN_PP_K, LANTERN_PP_LAM) == (10, 3.0, "lantern++", 10, 3.0)
     # jadohu/LANTERN run.sh: --lantern_k 10 --lantern_delta 5, --lantern_k 5 --lantern_delta 10 and 20.

@@ -74,7 +74,8 @@ def test_a_static_tree_file_replaces_the_default_and_a_tree_with_a_hole_is_refus
     saved = json.loads((tmp_path / "t" / "table.json").read_text())
     assert saved["trees"][0]["tree"]["static_tree"] == str(tree)
     assert f"### Tree static {tree} (4 nodes)" in (tmp_path / "t" / "table.md").read_text()
-    tree.write_text(json.dumps({"paths": [[0], [2]]}))  # (1,) is missing: the hole cascade.md forbids
+    # (1,) is missing: a hole (docs/method.md, section "Tree verification")
+    tree.write_text(json.dumps({"paths": [[0], [2]]}))
     with pytest.raises(SystemExit, match=r"--static-tree .*fitted.json.*\(1,\)"):
         main([*argv[:-2], "--out", str(tmp_path / "u"), "--static-tree", str(tree)])
     with pytest.raises(SystemExit, match="has none"):

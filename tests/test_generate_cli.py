@@ -98,8 +98,9 @@ def test_build_rule_parses_every_field_type(tiny_target):
 
 
 def test_build_rule_gives_lantern_its_published_defaults_by_target_family(tiny_target):
-    """LANTERN++ without settings is the CASCADE authors' baseline (k 10, lam 3; cascade.md §3.5), not k 1000;
-    static_zeroes follows LANTERN's file for the target's family (LlamaGen: q, Lumina-mGPT: p); options win."""
+    """LANTERN++ without settings is the CASCADE authors' baseline (k 10, lam 3; docs/method.md, section "The baselines,
+    as their authors' code runs them"), not k 1000; static_zeroes follows LANTERN's file for the target's family
+    (LlamaGen: q, Lumina-mGPT: p); options win."""
     assert tiny_target.family == "llamagen"  # the toy world's LlamaGen
     plus = build_rule("lantern++", tiny_target)
     assert (plus.k, plus.lam, plus.static_zeroes) == (LANTERN_PP_K, LANTERN_PP_LAM, "q") == (10, 3.0, "q")

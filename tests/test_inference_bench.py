@@ -11,7 +11,7 @@ from conftest import build_tiny_toy_target
 from PIL import Image
 
 import inference.decoding.speculative as speculative
-from inference.measure.bench import StepTimer, main
+from inference.measure.bench import DecodePhaseTimer, main
 from inference.measure.methods import parse_methods
 from inference.measure.report import pareto_front
 from models.eagle import EagleDraftModel, drafter_preset
@@ -112,7 +112,7 @@ def test_step_timer_times_every_phase_through_the_decoder_hooks(tiny_target):
     from inference.decoding.speculative import DecoderConfig, generate_speculative
 
     before = (speculative.verify, speculative.build_target_view, speculative._draft)
-    timer = StepTimer(tiny_target)
+    timer = DecodePhaseTimer(tiny_target)
     config = DecoderConfig(tree="static", static_tree="mc_sim_7b_63")
     generate_speculative(tiny_target, OracleDrafter(tiny_target, scale=0.5), ["a big green square on stripes"],
                          ExactRule(), config, generator=torch.Generator().manual_seed(0), hooks=timer)  # fmt: skip
@@ -121,6 +121,37 @@ def test_step_timer_times_every_phase_through_the_decoder_hooks(tiny_target):
     assert all(value > 0 for value in seconds.values()) and timer.take() == {}
     assert (speculative.verify, speculative.build_target_view, speculative._draft) == before
     assert "forward" not in vars(tiny_target)
+
+
+PLANTED_VERIFY_SECONDS = 0.05
+"""A sleep planted into every verification: several times a tiny model's whole step, so it dominates the split."""
+
+
+def test_the_bench_attributes_a_slowdown_planted_into_verification(drafter, monkeypatch):
+    """A sleep planted into verification (its first call, `prepare_tree`) must show up as that many ms per step in
+    the verify phase, in the rule's wall time per image (x its verification steps), and nowhere in AR (which never
+    verifies) or the other phases."""
+    import time
+
+    import inference.decoding.verify as verification
+
+    real_prepare = verification.prepare_tree
+
+    def slowed(*args, **kwargs):
+        time.sleep(PLANTED_VERIFY_SECONDS)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(verification, "prepare_tree", slowed)
+    argv = ["--target", "tiny-bench", "--drafter", str(drafter), "--rules", "ar,exact", "--num-prompts", "1"]
+    ar, exact = main([*argv, "--no-warmup", *TREE])
+    planted_ms = PLANTED_VERIFY_SECONDS * 1e3
+    split = exact["ms_per_step"]
+    assert planted_ms <= split["verify"] < planted_ms + 50, split  # the sleep, plus a tiny tree's verification
+    assert split["verify"] > split["target"] + split["draft"] + split["view"], split
+    assert exact["verify_share"] > 0.5
+    steps = exact["target_forwards_per_image"] - 1  # one verification per forward after the prefill
+    assert exact["seconds_per_image"] >= steps * PLANTED_VERIFY_SECONDS
+    assert ar["seconds_per_image"] < PLANTED_VERIFY_SECONDS * steps / 2  # AR is untouched
 
 
 def test_pareto_front_keeps_the_undominated_points():

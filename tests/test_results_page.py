@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from inference.measure.results import PAGE, RESULTS, render_page
+from inference.measure.results import PAGE, RESULTS, main, render_page, uncommitted_sources
 
 PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [0-9][^ ,;]*(, commit [0-9a-f]{7}|;|\.)")
 """Date, machine, torch, and the commit, or (a table of several runs) no commit: each row's is in its JSON."""
@@ -61,7 +61,46 @@ def test_no_table_names_more_than_one_commit():
 
 
 def test_the_results_page_is_what_its_sources_render():
-    assert PAGE.read_text(encoding="utf-8") == render_page(RESULTS), "run python -m inference.results"
+    # whether each source was made at a commit is the next test's question
+    page = render_page(RESULTS, allow_uncommitted=True)
+    assert PAGE.read_text(encoding="utf-8") == page, "run python -m inference.results"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="six sources were made from uncommitted changes (decoding_table_static, signals, tune_signal_s11, "
+    "drafter_300, drafter_600, drafter_600_low_s1); `python -m inference.results --check` prints the command that "
+    "regenerates each. Once they are remade at a commit this passes, and strict=True fails it: remove this mark.",
+)
+def test_every_results_source_was_made_at_a_commit():
+    assert uncommitted_sources(RESULTS) == []
+
+
+def test_a_source_made_from_uncommitted_changes_is_refused_and_check_says_how_to_remake_it(tmp_path, capsys):
+    clean = _decoding_table({"exact": 3.0, "cascade": 3.2}, "runs/a")
+    dirty = _decoding_table({"exact": 3.1, "cascade": 3.3}, "runs/b")
+    dirty["provenance"]["commit"] = "abcdef1+changes"
+    dirty["command"] += ["--out", "outputs/b"]
+    (tmp_path / "a.json").write_text(json.dumps(clean))
+    (tmp_path / "b.json").write_text(json.dumps(dirty))
+    sources = [{"label": "a", "file": "a.json"}, {"label": "b", "file": "b.json"}]
+    (tmp_path / "page.json").write_text(json.dumps([{"title": "D", "kind": "drafters", "sources": sources}]))
+    with pytest.raises(ValueError, match=r"b\.json: made at commit abcdef1\+changes"):
+        render_page(tmp_path)
+    page = tmp_path / "results.md"
+    page.write_text(render_page(tmp_path, allow_uncommitted=True))  # the page itself is up to date
+    with pytest.raises(SystemExit) as refused:
+        main(["--results", str(tmp_path), "--out", str(page), "--check"])
+    message = str(refused.value)
+    assert "a.json" not in message  # the clean source is not named
+    assert "b.json: made at commit abcdef1+changes" in message
+    remake = "python -m inference.decoding_table --drafter runs/b --out outputs/b && cp outputs/b/table.json"
+    assert remake in message
+    dirty["provenance"]["commit"] = "abcdef1"  # remade at a commit: the check passes
+    (tmp_path / "b.json").write_text(json.dumps(dirty))
+    page.write_text(render_page(tmp_path))
+    main(["--results", str(tmp_path), "--out", str(page), "--check"])
+    assert "up to date" in capsys.readouterr().out
 
 
 def _decoding_table(taus: dict[str, float], drafter: str) -> dict:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_drafter_models import tiny_drafter
 
+import inference.measure.signals as signals_module
 from inference.decoding.eagle import EagleDrafter
 from inference.decoding.rules import CascadeRule
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
@@ -43,6 +44,8 @@ def test_roc_auc_equals_the_pairwise_count_with_ties_and_nans():
     assert roc_auc(scores, labels) == 1.0  # the NaN score and the NaN label are left out
     assert roc_auc(-scores, labels) == 0.0
     assert roc_auc(torch.tensor([0.3, 0.4]), torch.tensor([1.0, 1.0])) is None  # one class: undefined
+    tied = torch.full((6,), 0.25, dtype=torch.float64)
+    assert roc_auc(tied, torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])) == 0.5  # all tied: every pair half a win
 
 
 class FeatureRecorder(DecodeHooks):
@@ -119,17 +122,55 @@ def test_pairs_and_labels_follow_the_tree_and_the_decoder(tiny_target):
     assert not bool(labels["substitutable"][committed].isnan().any())
 
 
-def test_study_scores_every_signal_on_both_pair_kinds(tiny_target):
+PLANTED_INDEPENDENT_BOUND = 0.2
+"""How far from 0.5 a signal independent of the label may score on the study's own pairs. Under independence the
+AUC's standard deviation is sqrt((P + N + 1) / (12 P N)) for P positive and N negative pairs: about 0.05 at the
+smallest table the test accepts (P, N >= 10). 0.2 is four of those; the planted noise is seeded, so the value does not
+move between runs either."""
+
+
+def test_study_scores_planted_signals_with_their_known_answers(tiny_target, monkeypatch):
+    """Signals planted into the study's own pairs go through the same code as the real ones (`PairTable.add`,
+    `SignalStudy.summary`, `roc_auc`): the label itself scores 1, its negation 0, seeded noise about 0.5. A study that
+    paired signals with the wrong pairs' labels (a shuffle, an off-by-one) would score the planted label near 0.5."""
     drafter = EagleDrafter(tiny_drafter("eagle3").eval(), tiny_target)
     configs = {"static": DecoderConfig(tree="static", static_tree="mc_sim_7b_63")}
+    label = LABELS[0]
+    last_labels: list[torch.Tensor] = []
+    noise = torch.Generator().manual_seed(7)
+    real_labels, real_signals = signals_module.pair_labels, signals_module.pair_signals
+
+    def labels_seen(*args, **kwargs):
+        labels = real_labels(*args, **kwargs)
+        last_labels.append(labels[label])
+        return labels
+
+    def planted(*args, **kwargs):
+        out = real_signals(*args, **kwargs)
+        truth = last_labels.pop()  # the labels of these very pairs, computed just before
+        assert truth.shape[0] == next(iter(out.values())).shape[0]
+        out["planted: the label"] = truth.clone()
+        out["planted: the label, negated"] = -truth
+        out["planted: noise"] = torch.rand(truth.shape, generator=noise, dtype=torch.float64)
+        return out
+
+    monkeypatch.setattr(signals_module, "pair_labels", labels_seen)
+    monkeypatch.setattr(signals_module, "pair_signals", planted)
     study = study_signals(tiny_target, drafter, [PROMPT, "a small red circle in the center"], configs, 104.0)
     records = study.summary()
     signals = {r["signal"] for r in records}
     assert {"last state, centred", "high state, whitened", "softmaxed logits (Lumina dev file)"} <= signals
     assert any("LANTERN" in s for s in signals) and "drafter q, cosine" in signals
     for kind in ("sibling", "parent"):
-        rows = [r for r in records if r["pairs"] == kind and r["label"] == LABELS[0]]
-        assert rows and rows[0]["labelled"] > 5
-        assert all(r["auc"] is None or 0.0 <= r["auc"] <= 1.0 for r in rows)
-        assert all(r["label"] != "substitutable" for r in rows)
+        rows = {r["signal"]: r for r in records if r["pairs"] == kind and r["label"] == label}
+        table = study.tables["static"][kind]
+        truth = torch.tensor(table.labels[label])
+        positives, negatives = int((truth == 1).sum()), int((truth == 0).sum())
+        assert positives >= 10 and negatives >= 10, f"{kind} pairs: too few of a class ({positives}, {negatives})"
+        assert rows["planted: the label"]["auc"] == 1.0
+        assert rows["planted: the label, negated"]["auc"] == 0.0
+        assert abs(rows["planted: noise"]["auc"] - 0.5) <= PLANTED_INDEPENDENT_BOUND, rows["planted: noise"]
+        # the same planted label, shuffled against its pairs, is no longer a perfect signal
+        shuffled = truth[torch.randperm(truth.shape[0], generator=torch.Generator().manual_seed(1))]
+        assert roc_auc(shuffled, truth) < 0.9
     assert all(r["labelled"] == 0 for r in records if r["label"] == "substitutable")  # no reader given

@@ -4,6 +4,7 @@ the figures. Tiny settings (batch 2, 2 TTT steps, a few steps): a few seconds in
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 
 import pytest
@@ -68,15 +69,39 @@ def test_plain_and_lightning_steps_do_the_same_work():
     assert plain_losses == pytest.approx(lightning_losses, rel=1e-4)
 
 
-def test_the_cli_prints_both_step_times_and_the_ratio(capsys: pytest.CaptureFixture[str]):
-    argv = ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--ttt-steps", "2", "--cfg-loss"]
+PLANTED_SECONDS = 0.25
+"""A sleep planted into every Lightning training step: far above the tiny step itself (tens of ms) and above what a
+busy 2-core machine adds to a median of a few steps."""
+
+
+def printed_median_ms(out: str, name: str) -> float:
+    """The median the CLI printed for one arm ("  plain    12.34 ms   IQR ...")."""
+    words = next(w for w in map(str.split, out.splitlines()) if len(w) > 3 and w[0] == name and w[2:4] == ["ms", "IQR"])
+    return float(words[1])
+
+
+def test_the_cli_measures_a_slowdown_planted_into_the_lightning_arm(monkeypatch, capsys: pytest.CaptureFixture[str]):
+    """Only the Lightning arm calls DrafterSystem.training_step (the plain loop calls the objective itself): a sleep
+    planted there must show up in the lightning median and the printed ratio, and not in the plain one."""
+    argv = ["--batch-size", "2", "--steps", "3", "--warmup", "1", "--rounds", "1", "--ttt-steps", "2", "--cfg-loss"]
+    real_step = DrafterSystem.training_step
+
+    def slowed(self, batch, batch_idx):
+        time.sleep(PLANTED_SECONDS)
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(DrafterSystem, "training_step", slowed)
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     for text in (f"torch {torch.__version__}", "threads: torch 1", "aux (2, 36, 384)", "uncond_aux (2, 36, 384)",
-                 "ttt_steps 2", "plain", "lightning", "ratio lightning / plain:"):  # fmt: skip
+                 "ttt_steps 2", "ratio lightning / plain:"):  # fmt: skip
         assert text in out, out
+    plain, lightning = printed_median_ms(out, "plain"), printed_median_ms(out, "lightning")
+    planted = PLANTED_SECONDS * 1e3
+    assert plain < planted, out  # the plain arm does not sleep
+    assert lightning - plain >= 0.9 * planted, out  # the sleep is inside the timed window
     ratio = float(out.split("ratio lightning / plain:")[1].split()[0])
-    assert 0.3 < ratio < 5  # sanity only: a 2-core shared machine times nothing precisely
+    assert ratio == pytest.approx(lightning / plain, rel=0.01), out  # the ratio is of the printed medians
 
 
 def test_the_summary_is_median_and_quartiles():

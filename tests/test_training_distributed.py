@@ -1,8 +1,8 @@
 """Drafter training under single-process, DDP and DeepSpeed ZeRO-2 on CPU gives one loss curve; checkpoints convert.
 
 The distributed runs go through tests/scripts/fit_distributed.py in subprocesses (Lightning relaunches
-the command for rank 1, which under pytest would re-run the suite; ecosystem.md section 2b). DeepSpeed
-runs through `training.deepspeed_cpu.CPUDeepSpeedStrategy` with its shared-memory op off, so nothing
+the command for rank 1, which under pytest would re-run the suite; docs/architecture.md, section "Distributed runs under
+pytest"). DeepSpeed runs through `training.deepspeed_cpu.CPUDeepSpeedStrategy` with its shared-memory op off, so nothing
 is compiled (the extension directory is a fresh one under tmp and is checked to stay empty).
 
 Both the loss curves and the norms of the applied (reduced) gradients are compared. They agree to

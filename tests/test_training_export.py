@@ -3,7 +3,8 @@
 One tiny run is trained once per module (tiny-toy target, 8 extracted samples, 2 steps through
 training/fit.py, so the run directory holds config.yaml, checkpoints and TensorBoard logs as a real run
 does; a few seconds). Uploads and downloads go to `FakeHub`, a loopback HTTP server started by the tests
-that speaks the few Hub endpoints huggingface_hub uses (ecosystem.md §6): no network is touched.
+that speaks the few Hub endpoints huggingface_hub uses (docs/architecture.md, section "A fake Hub for the tests"): no
+network is touched.
 """
 
 from __future__ import annotations

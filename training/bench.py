@@ -112,8 +112,10 @@ class RepeatBatch(IterableDataset):
 # ----------------------------------------------------------------------------- timing
 
 
-class StepTimer(Callback):
-    """Times on_train_batch_start -> on_train_batch_end, and the period between consecutive batch starts."""
+class TrainingBatchTimer(Callback):
+    """Times each training batch (on_train_batch_start -> on_train_batch_end) and the period between consecutive
+    batch starts; with `losses`, records every batch's loss too. (The decoder's per-phase timer is
+    `inference.measure.bench.DecodePhaseTimer`.)"""
 
     def __init__(self, losses: list[float] | None = None) -> None:
         self.durations: list[float] = []
@@ -136,6 +138,11 @@ class StepTimer(Callback):
         self.durations.append(time.perf_counter() - self._start)
         if self.losses is not None:
             self.losses.append(float(outputs["loss"]))
+
+
+StepTimer = TrainingBatchTimer
+"""The old name, kept only for training/bench_online.py and tests/test_training_online.py, which another change is
+editing: switch them to TrainingBatchTimer, then delete this line."""
 
 
 @dataclass
@@ -161,7 +168,7 @@ def lightning_steps(
 
     With `losses`, every step's loss is appended to it (after the timed window).
     """
-    timer = StepTimer(losses)
+    timer = TrainingBatchTimer(losses)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

@@ -3,10 +3,10 @@
     python -m training.convergence_region --config demo --batches 16 --out outputs/convergence_region
 
 The objective doubles the soft cross-entropy of a position whose state has cosine > `convergence_tau` with
-some later position's state (`training/losses.py`, cascade.md §3.4): a region where the image repeats itself.
-This command checks that premise on the fit config's own training batches, with the states the objective
-reads (stored, or computed online by the frozen target as in training). Ground truth comes from the target's
-image decoder, which no decode-time signal sees:
+some later position's state (`training/losses.py`; docs/method.md, section "Convergence-region reweighting"): a region
+where the image repeats itself. This command checks that premise on the fit config's own training batches, with the
+states the objective reads (stored, or computed online by the frozen target as in training). Ground truth comes from the
+target's image decoder, which no decode-time signal sees:
 
 - a position is **convergent** when its token's patch of the decoded image lies within `--pixel-threshold`
   grey levels (root mean square over the patch) of the patch of a later token of the same image: the
@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from data.drafter_data import DrafterDataModule
 from data.extract_config import resolve_config_path
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
+from inference.measure.provenance import provenance
 from inference.measure.signals import DEFAULT_PIXEL_THRESHOLD, roc_auc
 from models.target import ImageTarget
 from training.losses import convergent_positions, later_pairs, later_similarity

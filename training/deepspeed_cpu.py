@@ -7,7 +7,7 @@ Why it exists: production trains with Lightning's stock `DeepSpeedStrategy` on G
 paths DeepSpeed changes (ZeRO-partitioned gradients and optimizer state, the engine's own backward
 and step, the checkpoint directory layout and its fp32 consolidation) should be tested on machines
 without a GPU. DeepSpeed itself runs on CPU (its CPU accelerator, gloo collectives); Lightning
-refuses it. This subclass removes exactly the CUDA assumptions (ecosystem.md section 2c):
+refuses it. This subclass removes exactly the CUDA assumptions (docs/architecture.md, section "DeepSpeed on CPU"):
 
 1. `setup_environment` raises `RuntimeError: The DeepSpeed strategy is only supported on CUDA GPUs
    but CPUAccelerator is used`: skipped (DDPStrategy's environment setup runs instead).

@@ -17,10 +17,10 @@ The folder written holds
 - `README.md`: a model card (YAML front matter, then target, architecture, parameters, training data,
   objective and optimizer, acceptance lengths when the run logged them, and how to load it).
 
-Before anything is written the weight names are checked against the serving layout (peers.md §4;
-SGLang skips unknown keys silently, so exports must be right by construction): a missing or extra key,
-such as a trainer prefix (`model.`) or an embedding, is an error naming the keys. The folder is
-written into a temporary sibling and renamed into place, so `--out` never holds a partial export.
+Before anything is written the weight names are checked against the serving layout (docs/method.md, section "Serving
+layouts"; SGLang skips unknown keys silently, so exports must be right by construction): a missing or extra key, such as
+a trainer prefix (`model.`) or an embedding, is an error naming the keys. The folder is written into a temporary sibling
+and renamed into place, so `--out` never holds a partial export.
 
 The model card reads the run directory (by default the checkpoint's parent's parent, where
 `training/fit.py` writes `config.yaml`, `checkpoints/` and the TensorBoard logs): the resolved config,
@@ -77,7 +77,7 @@ TRAINER_PREFIXES = (MODEL_PREFIX, "draft_model.", "module.", "_forward_module.",
 
 
 def serving_weight_names(config: DrafterConfig) -> set[str]:
-    """The exact weight names a serving engine reads for this drafter (peers.md §4.1, §4.2)."""
+    """The exact weight names a serving engine reads for this drafter (docs/method.md, section "Serving layouts")."""
     attention = {f"self_attn.{name}_proj.weight" for name in "qkvo"}
     mlp = {f"mlp.{name}_proj.weight" for name in ("gate", "up", "down")}
     if config.architecture == "eagle3":

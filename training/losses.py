@@ -1,9 +1,11 @@
-"""Drafter losses and metrics as pure functions (peers.md §1.4, §1.6; cascade.md §3.4).
+"""Drafter losses and metrics as pure functions (docs/method.md, section "Drafter objectives"; docs/method.md, section
+"Convergence-region reweighting").
 
 Every loss is a masked sum divided by the number of positions that count (the loss-mask sum,
 clamped to at least 1, so a batch of padding rows only gives 0 rather than NaN). CASCADE's
 convergence weights multiply the soft cross-entropy terms but not the denominator, so w = 2 doubles
-the pull of convergent positions relative to the rest (cascade.md §3.4 divides by the loss-mask sum).
+the pull of convergent positions relative to the rest (as the CASCADE development code divides by the loss-mask sum:
+docs/method.md, section "Convergence-region reweighting").
 
 Shapes: B rows, L positions, V vocabulary, D feature width.
 """
@@ -85,7 +87,8 @@ def uniform_feature_noise(
 ) -> Tensor:
     """EAGLE-1's input-feature noise: features + (U[0, 1) - 0.5) x std, scaled by reference_length / L when set.
 
-    EAGLE-1 scales by 512 / L (peers.md §1.4); None keeps the amplitude independent of the sequence length.
+    EAGLE-1 scales by 512 / L (docs/method.md, section "EAGLE-1"); None keeps the amplitude independent of the sequence
+    length.
     """
     if std == 0:
         return features

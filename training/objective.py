@@ -7,7 +7,7 @@ and, at unrolled step k, token t + k; it predicts token t + k + 1, whose target 
 softmax(head(hidden[t + k + 1])) and whose CASCADE weight comes from row t + k + 1 of the convergence
 source: hidden by default, or one of EAGLE-3's streams (`convergence_source`).
 
-CFG (design.md "Drafters"): the target samples from u + s (c - u). With `cfg_loss_weight` > 0 the
+CFG (docs/method.md, section "CFG in training"): the target samples from u + s (c - u). With `cfg_loss_weight` > 0 the
 drafter runs both branches ([cond; uncond] rows, the unconditional rows reading the stored
 unconditional features) and a soft cross-entropy on the CFG-combined draft and target distributions
 is added; with `uncond_rate` > 0 a sample is trained on its unconditional branch with that
@@ -76,8 +76,9 @@ class ObjectiveConfig:
     """CASCADE: soft-CE weight multiplier at convergent positions; 1.0 turns reweighting off."""
     convergence_source: str = "hidden"
     """CASCADE: the states that define the convergence region. "hidden": the last hidden state, raw cosine (the
-    recipe of cascade.md §3.4). "aux-low" | "aux-mid" | "aux-high": one of the EAGLE-3 streams (needs the aux
-    features in the batch, `data.load_aux: true`), mean-centred cosine as CASCADE's decoder compares them;
+    recipe of docs/method.md, section "Convergence-region reweighting"). "aux-low" | "aux-mid" | "aux-high": one of the
+    EAGLE-3 streams (needs the aux features in the batch, `data.load_aux: true`), mean-centred cosine as CASCADE's
+    decoder compares them;
     `python -m inference.signals` ranks them against ground truth (docs/signals.md). convergence_tau is read on
     that source's scale."""
     uncond_rate: float = 0.0

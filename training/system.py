@@ -60,7 +60,8 @@ warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, then cosine or linear decay to min_lr_ratio x lr (peers.md §7)."""
+    """AdamW with linear warmup, then cosine or linear decay to min_lr_ratio x lr (docs/method.md, section
+    "Recipes")."""
 
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)

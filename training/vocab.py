@@ -3,7 +3,7 @@
 The map's key is a fingerprint of the dataset (the sha256 of every shard, in order, plus the image
 vocabulary size), stored in the drafter's config; a drafter whose key differs from the dataset it
 is trained on is refused, so a map counted on other data is never reused silently (the stale-cache
-bug peers.md §2.8 lists for SpecForge and speculators).
+bug SpecForge and speculators shipped; docs/architecture.md, section "A draft vocabulary keyed to its data").
 
 Shapes: V image vocabulary, Vd draft vocabulary.
 """

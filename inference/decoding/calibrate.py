@@ -3,12 +3,12 @@
     python -m inference.calibrate --target toy --drafter runs/demo/version_0/drafter --num-prompts 16
 
 decodes held-out prompts with the drafter (exact rule, the default tree), collects at every
-verification the mean-centred cosine similarities CASCADE thresholds (cascade.md §4.1):
-between siblings (interchangeability, tau_pos) and between a node and its parent (convergence,
-tau_seq), and writes `cascade_calibration.json` next to the drafter (or to --out): the quantiles of
-both distributions and the thresholds at the chosen quantiles. `inference.decoding.generate.build_rule` (and so
-generate, bench and the decode-validation callback) reads the file from the drafter folder when it is
-there: raw cosines mean different things per target, quantiles do not.
+verification the mean-centred cosine similarities CASCADE thresholds (docs/method.md, section "The similarity and its
+representation"): between siblings (interchangeability, tau_pos) and between a node and its parent (convergence,
+tau_seq), and writes `cascade_calibration.json` next to the drafter (or to --out): the quantiles of both distributions
+and the thresholds at the chosen quantiles. `inference.decoding.generate.build_rule` (and so generate, bench and the
+decode-validation callback) reads the file from the drafter folder when it is there: raw cosines mean different things
+per target, quantiles do not.
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ def dev_pairs(tree: Tree, threshold: float, shifted: bool) -> Tensor:
 class CascadeDevRule:
     """The CASCADE development code's rule as that code runs it: selinyldrm/Deepseek-JanusPro-EAGLE, commit 8c40c9c
     ("final cascade"), `models/ea_model_lumina_mgpt.py` (`evaluate_posterior`) with the pairs of `topK_generate`
-    in `models/drafters/cnets_lumina_mgpt.py` (cascade.md). A comparison rule: not the method,
-    no TV budget. `tests/reference_cascade_dev.py` transcribes the code; tests/test_peer_authors_code.py holds the
-    two to the same decisions.
+    in `models/drafters/cnets_lumina_mgpt.py` (docs/method.md, section "The baselines, as their authors' code runs
+    them"). A comparison rule: not the method, no TV budget. `tests/reference_cascade_dev.py` transcribes the code;
+    tests/test_peer_authors_code.py holds the two to the same decisions.
 
     Child x of node u (depth d) is tested with u plain first, u < p(x)/q(x) (p the current residual at u). If that
     fails and x is in the nucleus of mass `nucleus` of the current p (p(x) at least the p at which the sorted mass

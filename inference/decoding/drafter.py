@@ -2,8 +2,8 @@
 
 A drafter is an EAGLE-style model with its own KV cache. It reads pairs (feature, token): the
 feature is the state that predicted `token` and its output at that element predicts the token after
-`token` (cascade.md §2.2). Features come from the target after a verification step and from the
-drafter itself deeper in a draft tree:
+`token` (docs/method.md, section "Drafting a tree"). Features come from the target after a verification step and from
+the drafter itself deeper in a draft tree:
 
 - EAGLE-1 (`feature_source = "hidden"`): target last-layer post-norm hidden (R, T, D); deeper tree
   levels feed back the drafter's own predicted features.
@@ -13,7 +13,7 @@ drafter itself deeper in a draft tree:
 The drafter runs every CFG row ([cond; uncond]) and returns raw logits, or, given `cfg_scale` and a
 linear head of its own, logits already combined by CFG (`DraftOutput.guided`); the decoder applies the
 rest of the target's processing (CFG if not done, the target's `constrain_logits` at the image index
-each element predicts, temperature, top-k, top-p) to them (cascade.md §2.1).
+each element predicts, temperature, top-k, top-p) to them (docs/method.md, section "Drafting a tree").
 
 Cache protocol: pairs with `from_target=True` are committed context. While drafting a tree the
 decoder notes `tree_start = cache.length`, calls the drafter once per level with `tree_start` and

@@ -2,7 +2,6 @@
 
     write_atomic(path, png_bytes)            # bytes or text
     write_json(summary, path)                # indented JSON with a final newline
-    {"provenance": provenance(), ...}        # when, on what machine and at which commit a figure was made
 
 A file is written under a temporary name in its own folder, `.<name>.<host>.<pid>.tmp`, then renamed
 into place, so a reader (or a rerun after a kill) never sees half a file. The name says which
@@ -12,12 +11,10 @@ live one's (`inference.evaluation.eval_folder.remove_stale_temps`).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +38,3 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 def write_json(payload: Any, path: Path) -> None:
     """`payload` as indented JSON (non-JSON values as their str) with a final newline, atomically."""
     write_atomic(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def provenance() -> dict[str, str]:
-    """Where a measurement comes from, for the JSON a benchmark writes: date, machine (CPU cores, GPU or none),
-    torch version and the commit (with "+changes" when the work tree differs from it; "unknown" outside git)."""
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    try:
-        root = Path(__file__).resolve().parent.parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
-        commit += "+changes" if dirty else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} CPU cores, {gpu}",
-        "torch": torch.__version__,
-        "commit": commit,
-    }

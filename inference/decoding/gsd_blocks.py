@@ -1,5 +1,5 @@
-"""GSD-blocks, the CASCADE authors' tree port of GSD (dev commit 8dc3300, cascade.md §5.4), and its closed form for
-deterministic drafts.
+"""GSD-blocks, the CASCADE authors' tree port of GSD (dev commit 8dc3300; docs/method.md, section "The baselines, as
+their authors' code runs them"), and its closed form for deterministic drafts.
 
 The cluster of x is the block of G consecutive ranks of the current target distribution that holds x; x is accepted
 w.p. min(1, p(C) / q(C)) (q(C) under the parent's q as drafted, as the port measures it), and a rejection zeroes the
@@ -48,7 +48,8 @@ from inference.decoding.tree import node_range, strictly_lower
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDBlocksRule:
     """The CASCADE authors' tree port of GSD (dev commit 8dc3300, `models/ea2_model_llamagen.py`,
-    `evaluate_posterior_v1`; cascade.md §5.4): rank-block clusters.
+    `evaluate_posterior_v1`; docs/method.md, section "The baselines, as their authors' code runs them"): rank-block
+    clusters.
 
     The cluster of x is the block of G consecutive ranks of the current target distribution p_c holding x;
     accept w.p. min(1, p_c(C) / q(C)); on rejection the block is zeroed, then relu(p_c - q_c), q_c the

@@ -1,9 +1,8 @@
-"""The peers' verification rules, as their authors' code does them (cascade.md, the baselines):
-LANTERN and LANTERN++ and GSD (GSD-blocks and the CASCADE development code's rule have modules of their own,
-`inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual or relax without a
-budget, so they carry no TV guarantee;
-`inference.decoding.rules` holds the registry of every rule and their shared interface (`test_slot`,
-`acceptance_at_once`).
+"""The peers' verification rules, as their authors' code does them (docs/method.md, section "The baselines, as their
+authors' code runs them"): LANTERN and LANTERN++ and GSD (GSD-blocks and the CASCADE development code's rule have
+modules of their own, `inference.decoding.gsd_blocks` and `inference.decoding.cascade_dev`). They change the residual
+or relax without a budget, so they carry no TV guarantee; `inference.decoding.rules` holds the registry of every rule
+and their shared interface (`test_slot`, `acceptance_at_once`).
 
 Shapes: B rows, I parent nodes, K child slots, V vocabulary, L neighbour-table width, W GSD window, E embedding
 width.
@@ -39,11 +38,14 @@ def scatter_mask(shape: tuple[int, ...], index: Tensor, keep: Tensor) -> Tensor:
 
 
 LANTERN_K = 1000
-"""LANTERN's k: `lantern_k=1000`, the default of jadohu/LANTERN's `evaluate_posterior` (cascade.md §5.2)."""
+"""LANTERN's k: `lantern_k=1000`, the default of jadohu/LANTERN's `evaluate_posterior` (docs/method.md, section "The
+baselines, as their authors' code runs them")."""
 LANTERN_DELTA = 0.1
-"""LANTERN's delta: `lantern_delta=0.1`, the same function's default (cascade.md §5.2)."""
+"""LANTERN's delta: `lantern_delta=0.1`, the same function's default (docs/method.md, section "The baselines, as their
+authors' code runs them")."""
 LANTERN_PP_K = 10
-"""LANTERN++'s k: the CASCADE authors' baseline, `--lantern_k 10 --lantern_delta 3.0` (cascade.md §3.5)."""
+"""LANTERN++'s k: the CASCADE authors' baseline, `--lantern_k 10 --lantern_delta 3.0` (docs/method.md, section "The
+baselines, as their authors' code runs them")."""
 LANTERN_PP_LAM = 3.0
 """LANTERN++'s lam: the same baseline (its `--lantern_delta 3.0`; a delta above 1 is LANTERN++'s lam)."""
 LANTERN_PP_REPO_RUNS: tuple[tuple[int, float], ...] = ((10, 5.0), (5, 10.0), (5, 20.0))
@@ -221,7 +223,8 @@ class GSDState:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GSDRule:
     """Grouped speculative decoding as its authors' code does it (junhyukso/GSD,
-    `scheduler/jacobi_iteration_lumina_mgpt.py`, `SpeculativeSampler.__call__`; cascade.md).
+    `scheduler/jacobi_iteration_lumina_mgpt.py`, `SpeculativeSampler.__call__`; docs/method.md, section "The baselines,
+    as their authors' code runs them").
 
     The authors sort the target's logits ascending and take the slice [r - 7, r + 7) around x's place r: in
     descending ranks d, the window [d - 6, d + 7] (W = 14: W - 1 - W//2 more likely tokens, x, W//2 less likely

@@ -1,11 +1,12 @@
 """Verification rules, one class each: its parameters, the mass a draft is accepted with, and its residual.
 
 `inference.decoding.verify` walks the draft tree and asks the rule about the c-th child of every node at once
-(the inputs: `inference.decoding.rule_inputs`; cascade.md §2.4, §4, §5): `test_slot(...)` -> `SlotTest`, the
-acceptance probability a0 of the drafted token x; for budgeted rules (CASCADE) the extra acceptance
-probability it would like on top, which `verify` grants while the TV budget delta of the step lasts;
-and the residual target after x is rejected (unnormalised). One method for the three, so that what
-they share (LANTERN's pooled neighbours, GSD's rank blocks) is computed once per slot.
+(the inputs: `inference.decoding.rule_inputs`; docs/method.md, sections "Tree verification", "CASCADE as implemented",
+"The baselines, as their authors' code runs them"): `test_slot(...)` -> `SlotTest`, the acceptance probability a0 of the
+drafted token x; for budgeted rules (CASCADE) the extra acceptance probability it would like on top, which `verify`
+grants while the TV budget delta of the step lasts; and the residual target after x is rejected (unnormalised). One
+method for the three, so that what they share (LANTERN's pooled neighbours, GSD's rank blocks) is computed once per
+slot.
 
 Budgeted relaxation (CASCADE) only raises acceptance probabilities and keeps the exact residual,
 which makes its guarantee hold on every tree kind: couple the relaxed walk with the exact one through
@@ -16,8 +17,8 @@ for sampled trees, static or dynamic (tested by enumeration in tests/test_decode
 
 This module holds exact and CASCADE and the registry of every rule. The peer rules (LANTERN, LANTERN++,
 the two GSD rules, the CASCADE development code's rule: `inference.decoding.peer_rules` and
-`inference.decoding.gsd_blocks`, re-exported here) follow their authors' code (cascade.md),
-residual modifications included, and carry no such guarantee.
+`inference.decoding.gsd_blocks`, re-exported here) follow their authors' code (docs/method.md, section "The baselines,
+as their authors' code runs them"), residual modifications included, and carry no such guarantee.
 
 Shapes: B rows, N tree nodes, I parent nodes (the nodes with children, or all N), K child slots, V vocabulary,
 D feature width, C candidate tokens per slot (2K + 1).
@@ -68,7 +69,8 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ExactRule:
-    """Lossless multi-draft speculative sampling (EAGLE; cascade.md §2.4)."""
+    """Lossless multi-draft speculative sampling (EAGLE; docs/method.md, section "`exact`: lossless multi-draft
+    speculative sampling")."""
 
     name: str = "exact"
 
@@ -119,7 +121,7 @@ REPRESENTATIONS = ("hidden", *AUX_STREAMS, "latent", "logits", "probs")
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CascadeRule:
-    """CASCADE (cascade.md §4): relaxed acceptance from the target's hidden states.
+    """CASCADE (docs/method.md, section "CASCADE as implemented"): relaxed acceptance from the target's hidden states.
 
     For the c-th child x of node u, with F the target's features at the nodes:
     - interchangeability I(x): siblings m of x with sim(F[x], F[m]) >= tau_pos (breadth);

@@ -1,4 +1,5 @@
-"""Similarity and distribution measures of the CASCADE-family rules (cascade.md §4.1).
+"""Similarity and distribution measures of the CASCADE-family rules (docs/method.md, section "The similarity and its
+representation").
 
 Mean-centred cosine similarity of hidden states (and its unit vectors, whose dot products are the
 cosines), the KL divergence between target distributions, and the mass above a token, which says whether it lies in
@@ -14,7 +15,8 @@ from torch import Tensor
 
 
 def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Mean-centred cosine similarity in fp32 (cascade.md §4.1) of (..., D) against (..., D) -> (...)."""
+    """Mean-centred cosine similarity in fp32 of (..., D) against (..., D) -> (...) (docs/method.md, section "The
+    similarity and its representation")."""
     a = a.float() - a.float().mean(-1, keepdim=True)
     b = b.float() - b.float().mean(-1, keepdim=True)
     return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-8)
@@ -23,7 +25,8 @@ def centred_cosine(a: Tensor, b: Tensor) -> Tensor:
 def centred_unit(features: Tensor) -> Tensor:
     """(..., D) features -> fp32, mean-centred over D and scaled to unit length (norm floored at 1e-8).
 
-    Dot products of the results are the mean-centred cosines CASCADE thresholds (cascade.md §4.1).
+    Dot products of the results are the mean-centred cosines CASCADE thresholds (docs/method.md, section "The similarity
+    and its representation").
     """
     feats = features.float()
     feats = feats - feats.mean(-1, keepdim=True)

@@ -2,7 +2,8 @@
 
     result = generate_speculative(target, drafter, prompts, CascadeRule(), DecoderConfig(tree="static"), generator=g)
 
-After prefilling target and drafter, every step (EAGLE-1/2, peers.md §1.8; cascade.md §2.3-2.4):
+After prefilling target and drafter, every step (EAGLE-1/2; docs/method.md, section "Drafting a tree", and
+docs/method.md, section "Tree verification"):
 
 1. the drafter reads the pending (target feature, token) pairs of the last accepted path and the bonus token;
 2. it drafts a tree rooted at the last sampled token (static list or dynamic EAGLE-2 tree);
@@ -216,7 +217,8 @@ def build_target_view(
     guided, probs = processed_distribution(out.logits, settings, cfg, target, index, unfiltered=unfiltered)
     batch = guided.shape[0]
     features = None
-    if isinstance(rule, CascadeRule):  # similarities on the conditional branch (cascade.md §8)
+    # similarities on the conditional branch (docs/method.md, section "The similarity and its representation")
+    if isinstance(rule, CascadeRule):
         if rule.representation == "hidden":
             features = out.hidden[:batch]
         elif (stream := aux_stream(rule)) is not None:  # one of the EAGLE-3 streams (R, N, 3D) -> (B, N, D)

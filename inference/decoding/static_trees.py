@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-# LANTERN's default static tree (jadohu/LANTERN models/drafters/choices.py; cascade.md §2.3): 57 draft
-# nodes, depth 5, level sizes 5/13/16/14/9. A path [c1, c2, ...] is the c2-th child of the c1-th child.
+# LANTERN's default static tree (jadohu/LANTERN models/drafters/choices.py; docs/method.md, section "Drafting a tree"):
+# 57 draft nodes, depth 5, level sizes 5/13/16/14/9. A path [c1, c2, ...] is the c2-th child of the c1-th child.
 NAIVE_EXTEND_57: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (3,), (4,),
     (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0),
@@ -68,9 +68,9 @@ def check_static_paths(paths: tuple[tuple[int, ...], ...], where: str = "static 
 
     Why the sibling: node (..., c) receives its parent's (c + 1)-th draw without replacement, but verification
     tests a child against q with only the *listed* earlier siblings removed
-    (`inference.decoding.verify.draw_probabilities`, recursive rejection sampling; cascade.md).
-    With a hole the draw before it was taken from q and never tested, so even `exact` is lossy: V = 3, p uniform,
-    q = (0.6, 0.3, 0.1) and the list ((0,), (2,)) emit (0.333, 0.311, 0.356), TV 0.022.
+    (`inference.decoding.verify.draw_probabilities`, recursive rejection sampling; docs/method.md, section "Tree
+    verification"). With a hole the draw before it was taken from q and never tested, so even `exact` is lossy: V = 3, p
+    uniform, q = (0.6, 0.3, 0.1) and the list ((0,), (2,)) emit (0.333, 0.311, 0.356), TV 0.022.
 
     Args:
         paths: child-index paths, e.g. ((0,), (1,), (0, 0)).

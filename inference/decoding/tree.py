@@ -1,10 +1,10 @@
 """Draft trees for tree speculative decoding: static EAGLE-1 lists and dynamic EAGLE-2 trees.
 
-A tree is drafted anew at every verification step (cascade.md §2.3). Node 0 is the root, the last
-sampled token, whose key/value entries are not yet in the target's cache; every other node is a
-draft token. Nodes are stored parents-first: sorted by depth, and within a depth by (parent, rank),
-so the children of a node appear in draw order (static, sampled drafts) or drafter-rank order
-(dynamic, deterministic drafts), which is the order verification tries them in (cascade.md §8).
+A tree is drafted anew at every verification step (docs/method.md, section "Drafting a tree"). Node 0 is the root, the
+last sampled token, whose key/value entries are not yet in the target's cache; every other node is a draft token. Nodes
+are stored parents-first: sorted by depth, and within a depth by (parent, rank), so the children of a node appear in
+draw order (static, sampled drafts) or drafter-rank order (dynamic, deterministic drafts), which is the order
+verification tries them in (docs/method.md, section "Tree verification").
 
 - Static trees (`StaticTreeSpec`, e.g. `NAIVE_EXTEND_57`) fix the shape: a node is the c-th child of
   its parent, and it receives the parent's c-th draw from the drafter distribution q; a c-th child needs

@@ -1,4 +1,5 @@
-"""Drafting a tree with a drafter (`inference.decoding.drafter.Drafter`) for one verification step (cascade.md §2.3).
+"""Drafting a tree with a drafter (`inference.decoding.drafter.Drafter`) for one verification step (docs/method.md,
+section "Drafting a tree").
 
 Three tree kinds, each one drafter call per level with children:
 
@@ -38,7 +39,8 @@ def draft_static_tree(
     greedy: bool,
     generator: torch.Generator | None,
 ) -> Tree:
-    """Draft an EAGLE-1 static tree (cascade.md §2.3): node "child c" of a parent takes the parent's c-th draw.
+    """Draft an EAGLE-1 static tree (docs/method.md, section "Drafting a tree"): node "child c" of a parent takes the
+    parent's c-th draw.
 
     Sampling mode draws without replacement from q (Gumbel-top-k); greedy mode takes q's top-k in
     rank order (deterministic drafts). One drafter call per level with children; each level's nodes are
@@ -141,7 +143,7 @@ def draft_dynamic_tree(
     depth: int,
     total_tokens: int,
 ) -> Tree:
-    """Draft an EAGLE-2 dynamic tree (cascade.md §2.3; peers.md §1.8). Drafts are deterministic (q = 1).
+    """Draft an EAGLE-2 dynamic tree (docs/method.md, section "Drafting a tree"). Drafts are deterministic (q = 1).
 
     Level 1 is the top-k of q at the root; each further level expands the top-k frontier nodes by
     their top-k children, scored by cumulative log q, and keeps the top-k as the next frontier;
@@ -383,9 +385,9 @@ def exponential_race(shape: tuple[int, ...], device: torch.device, generator: to
 def gumbel_topk(q: Proposal, k: int, generator: torch.Generator | None, race: Tensor | None = None) -> Tensor:
     """Draw k tokens from q without replacement, in draw order (Gumbel-top-k = sequential sampling).
 
-    Child c is drawn with probability q(x_c) / (1 - sum_{c' < c} q(x_c')) (cascade.md §2.3); verification
-    reads that off q at the parent and the earlier siblings (`inference.decoding.verify.draw_probabilities`), so the
-    drafter does not compute it.
+    Child c is drawn with probability q(x_c) / (1 - sum_{c' < c} q(x_c')) (docs/method.md, section "Drafting a tree");
+    verification reads that off q at the parent and the earlier siblings
+    (`inference.decoding.verify.draw_probabilities`), so the drafter does not compute it.
 
     Args:
         q: probabilities (..., V), or under top-k those of its support's S tokens (`Proposal`): the race
@@ -429,7 +431,8 @@ def select_dynamic_tree(
     cand_depths: Tensor,
     num_nodes: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """EAGLE-2's final step: keep the root and the num_nodes - 1 best-scoring candidates (cascade.md §2.3).
+    """EAGLE-2's final step: keep the root and the num_nodes - 1 best-scoring candidates (docs/method.md, section
+    "Drafting a tree").
 
     Candidates are listed level by level, each level ordered by (parent, rank), so a parent always
     precedes its children. Scores are cumulative log q and never increase along a path; a stable

@@ -2,10 +2,10 @@
 
 `verify(tree, view, rule, uniforms)` decides which drafts are accepted after one target forward over
 the tree. Every node's children are tested in order (draw order for sampled drafts, drafter rank for
-deterministic ones; cascade.md §8): child c of node u is accepted with probability a(u, c), else the
-residual target at u is updated and child c + 1 is tried; if every child is rejected, the
-correction token is drawn from the residual; a walk that reaches a leaf draws the bonus token from the
-target there (never relaxed, cascade.md §4.3).
+deterministic ones; docs/method.md, section "Tree verification"): child c of node u is accepted with probability a(u,
+c), else the residual target at u is updated and child c + 1 is tried; if every child is rejected, the correction token
+is drawn from the residual; a walk that reaches a leaf draws the bonus token from the target there (never relaxed:
+docs/method.md, section "q_R and the relaxed test").
 
 What makes this cheap: the residual at u only depends on u and its own children, never on the path
 that led to u (it restarts from the target at every depth). So the residuals and acceptance
@@ -141,7 +141,8 @@ class Verdict:
 
 
 def build_latent_neighbours(codebook: Tensor, k: int) -> Tensor:
-    """LANTERN's latent proximity (cascade.md §5.2): (V, e) codebook -> (V, k) nearest other codes by L2."""
+    """LANTERN's latent proximity (docs/method.md, section "The baselines, as their authors' code runs them"): (V, e)
+    codebook -> (V, k) nearest other codes by L2."""
     distance = torch.cdist(codebook.float(), codebook.float())  # (V, V)
     distance.fill_diagonal_(float("inf"))
     return distance.topk(min(k, codebook.shape[0] - 1), dim=-1, largest=False).indices

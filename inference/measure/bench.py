@@ -20,8 +20,9 @@ One table, one row per method:
   of one run only; the AR row shows the distance between two independent AR draws, the noise floor;
 - where the time of a step goes: the rule (`inference.decoding.verify.verify`), the target forward over the
   tree, drafting, and building the target view (CFG, softmax), in ms per verification step, and the
-  rule's share of the step. They are timed by wrappers installed around those functions for the run
-  (`StepTimer`, the decode loop's phase hooks; on CUDA each phase synchronises, which perturbs the timing a little).
+  rule's share of the step. The decode loop reports each phase to `DecodePhaseTimer` through its hooks
+  (`inference.decoding.speculative.DecodeHooks`; nothing is wrapped or replaced); on CUDA each phase synchronises,
+  which perturbs the timing a little.
 
 `--sweep` decodes the prompts with a grid of rule settings instead (CASCADE's delta and thresholds,
 LANTERN's delta, LANTERN++'s lambda, GSD's group size; `inference.measure.methods.SWEEP_GRID`, or
@@ -66,7 +67,7 @@ from tqdm import tqdm
 
 from inference.decoding.autoregressive import generate_ar
 from inference.decoding.compiled import add_compile_argument, compile_decoding
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
 from inference.decoding.generate import (
     RULE_CLASSES,
     TAU_DEFINITION,
@@ -80,6 +81,7 @@ from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_
 from inference.decoding.verify import Rule, Verdict, verify
 from inference.measure.cost import run_count_ops
 from inference.measure.methods import SWEEP_GRID, Method, load_grid, parse_methods, sweep_methods
+from inference.measure.provenance import provenance
 from inference.measure.report import Quality, format_markdown, format_table, plot_sweep, sweep_title
 from inference.measure.step_latency import add_latency_arguments, run_latency_command
 from models.registry import load_target_for_process
@@ -115,7 +117,7 @@ class Tally:
     timings: dict[str, float] = field(default_factory=dict)  # part -> seconds
 
 
-class StepTimer(DecodeHooks):
+class DecodePhaseTimer(DecodeHooks):
     """Seconds spent in each phase of the decode loop (draft, target, view, verify, commit), through the
     decoder's own hooks (`inference.decoding.speculative.DecodeHooks`); AR decodes count as "target" time."""
 
@@ -160,7 +162,7 @@ def _decode_one(
     settings: SamplingDefaults,
     config: DecoderConfig,
     seed: int,
-    timer: StepTimer,
+    timer: DecodePhaseTimer,
     verifier: Callable[..., Verdict] = verify,
 ) -> tuple[Tensor, dict[str, float]]:
     """One image: tokens (G,) and its costs; the time of each decode phase goes to `timer`."""
@@ -211,7 +213,7 @@ def run_methods(
         raise ValueError("speculative rules need a drafter (--drafter)")
     tallies = {m.label: Tally() for m in methods}
     floor: list[Tensor] = []
-    timer = StepTimer(target)
+    timer = DecodePhaseTimer(target)
     if warmup:  # first calls pay for allocations and lazy initialisation: keep them out of the table
         for m in methods:
             _decode_one(m, rules[m.label], target, drafter, prompts[0], settings, config, seed - 1, timer, verifier)

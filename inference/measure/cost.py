@@ -176,7 +176,8 @@ def run_count_ops(args: argparse.Namespace, target: ImageTarget, drafter: Any, m
               config: DecoderConfig) -> list[dict[str, Any]]:  # fmt: skip
     """`inference.bench --count-ops`: aten ops and host syncs per speculative step, per phase, for every rule
     (`methods`, bench's parsed methods, and their built `rules`) x tree kind (or only `--tree`)."""
-    from inference.decoding.files import provenance, write_json
+    from inference.decoding.files import write_json
+    from inference.measure.provenance import provenance
 
     if drafter is None:
         raise SystemExit("--count-ops needs --drafter")

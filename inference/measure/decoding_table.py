@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
 from inference.decoding.speculative import TREE_KINDS, DecoderConfig
 from inference.measure.bench import build_rules, run_methods, summarise
 from inference.measure.methods import load_grid, parse_methods, sweep_methods
+from inference.measure.provenance import provenance
 from inference.measure.report import Quality, format_markdown, plot_sweep
 from inference.measure.step_latency import tree_name
 from models.registry import load_target_for_process

@@ -17,7 +17,13 @@
 
 A section may carry a `note` (Markdown, no figures: it explains how to read the table). Every table is
 printed under the command(s) that made it and the date, machine and commit from the JSON's `provenance`
-(`inference.decoding.files.provenance`); `tests/test_results_page.py` checks both, and that the page is rendered.
+(`inference.measure.provenance`: every benchmark command stamps its JSON with it); `tests/test_results_page.py`
+checks both, and that the page is rendered.
+
+A figure must be reproducible from a commit: a source stamped `<commit>+changes` was made from a work tree with
+uncommitted changes, which no one can check out again. The page refuses such a source (`uncommitted_sources`), and
+`--check` names each one with the command that regenerates it; run that command at a clean commit and copy its JSON
+over the source.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.decoding.files import write_atomic
+from inference.measure.provenance import UNCOMMITTED
 from inference.measure.report import format_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +48,51 @@ Rendered by `python -m inference.results` from the JSON in `docs/results/` (the 
 the date, the machine and the commit it ran at. Settings were chosen on the tune captions (seed 11);
 the decoding tables report on captions of seed 2026, which chose nothing.
 """
+
+
+OUTPUT_FILES = {
+    "inference.decoding_table": "table.json",
+    "inference.signals": "signals.json",
+    "training.convergence_region": "convergence_region.json",
+}
+"""The JSON a folder-writing command leaves in its --out folder (`inference.bench --out` names the file itself)."""
+
+
+def source_files(results: Path = RESULTS) -> list[str]:
+    """Every JSON file `results/page.json` names, in page order, each once."""
+    sections = json.loads((results / "page.json").read_text(encoding="utf-8"))
+    names: list[str] = []
+    for section in sections:
+        for name in [s["file"] for s in section.get("sources", [])] or [section["file"]]:
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def regeneration(payload: dict[str, Any], name: str) -> str:
+    """How to remake the source `name` from its own command: the command, then the copy onto the source."""
+    command = [str(part) for part in payload["command"]]
+    out = command[command.index("--out") + 1] if "--out" in command else None
+    module = command[2] if command[:2] == ["python", "-m"] and len(command) > 2 else ""
+    made = None if out is None else (f"{out}/{OUTPUT_FILES[module]}" if module in OUTPUT_FILES else out)
+    copy = f" && cp {made} docs/results/{name}" if made else f" (then copy its JSON to docs/results/{name})"
+    return " ".join(command) + copy
+
+
+def uncommitted_sources(results: Path = RESULTS) -> list[str]:
+    """One line per source stamped with uncommitted changes: the file, its stamp and the command that remakes it."""
+    problems = []
+    for name in source_files(results):
+        payload = _load(results, name)
+        commit = str((payload.get("provenance") or {}).get("commit", ""))
+        if commit.endswith(UNCOMMITTED):
+            where = results / name
+            shown = where.relative_to(ROOT) if where.resolve().is_relative_to(ROOT) else where
+            problems.append(
+                f"{shown}: made at commit {commit}, from uncommitted changes, so its figures cannot be "
+                f"reproduced; regenerate it at a clean commit: {regeneration(payload, name)}"
+            )
+    return problems
 
 
 def provenance_line(payload: dict[str, Any]) -> str:
@@ -171,8 +223,13 @@ def render_table(payload: dict[str, Any]) -> list[str]:
     ]
 
 
-def render_page(results: Path = RESULTS) -> str:
-    """The whole page from `results/page.json` and the JSON files it names."""
+def render_page(results: Path = RESULTS, allow_uncommitted: bool = False) -> str:
+    """The whole page from `results/page.json` and the JSON files it names. A source stamped with uncommitted
+    changes is refused (`uncommitted_sources`) unless allow_uncommitted (a draft while the sources are remade)."""
+    if not allow_uncommitted:
+        stale = uncommitted_sources(results)
+        if stale:
+            raise ValueError("the results page takes figures made at a commit only:\n" + "\n".join(stale))
     sections = json.loads((results / "page.json").read_text(encoding="utf-8"))
     lines = [HEADER]
     for section in sections:
@@ -218,15 +275,31 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder with page.json and the JSON sources")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default docs/results.md)")
-    parser.add_argument("--check", action="store_true", help="only compare: exit 1 when the page differs")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="only check: exit 1 when a source was made from uncommitted changes (each named with the command that "
+        "regenerates it) or the page differs from what its sources render",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-uncommitted", action="store_true",
+        help="render sources stamped <commit>+changes anyway (a draft page while they are being remade)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    page = render_page(args.results)
     if args.check:
+        stale = uncommitted_sources(args.results)
+        page = render_page(args.results, allow_uncommitted=True)
         current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        problems = list(stale)
         if current != page:
-            raise SystemExit(f"{args.out} is stale: rerun python -m inference.results (sources: {args.results})")
-        print(f"{args.out} is up to date")
+            problems.append(f"{args.out} is stale: rerun python -m inference.results (sources: {args.results})")
+        if problems:
+            raise SystemExit("\n".join(problems))
+        print(f"{args.out} is up to date and every source names the commit it was made at")
         return
+    try:
+        page = render_page(args.results, allow_uncommitted=args.allow_uncommitted)
+    except ValueError as error:
+        raise SystemExit(f"{error}\n(or pass --allow-uncommitted for a draft page)") from None
     write_atomic(args.out, page)
     print(f"wrote {args.out}")
 

@@ -51,14 +51,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torchmetrics.functional.classification import binary_auroc
 from tqdm import tqdm
 
-from inference.decoding.files import provenance, write_atomic, write_json
+from inference.decoding.files import write_atomic, write_json
 from inference.decoding.rules import ExactRule
 from inference.decoding.sampling import processed_distribution
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.decoding.tree import Tree
 from inference.decoding.verify import TargetView, Verdict
+from inference.measure.provenance import provenance
 from models.target import ImageTarget, teacher_forced_states
 
 PAIR_KINDS = ("sibling", "parent")
@@ -257,26 +259,17 @@ def pair_signals(
 
 
 def roc_auc(scores: Tensor, labels: Tensor) -> float | None:
-    """Area under the ROC curve (ties count half); None without both classes. NaN scores or labels are left out."""
+    """Area under the ROC curve (ties count half); None without both classes. NaN scores or labels are left out.
+
+    torchmetrics' exact curve (`binary_auroc` without thresholds): its trapezoids over tied scores count a tied
+    (positive, negative) pair as half a win, the Mann-Whitney statistic (tests/test_signals.py checks it against
+    the pair count)."""
     keep = ~(scores.isnan() | labels.isnan())
-    scores, labels = scores[keep], labels[keep].bool()
-    positives, negatives = int(labels.sum()), int((~labels).sum())
-    if positives == 0 or negatives == 0:
+    scores, labels = scores[keep], labels[keep].long()
+    positives = int(labels.sum())
+    if positives == 0 or positives == labels.numel():
         return None
-    ranks = _average_ranks(scores)
-    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
-
-
-def _average_ranks(values: Tensor) -> Tensor:
-    """1-based ranks with ties given their mean rank (the Mann-Whitney statistic's ranks)."""
-    order = values.argsort()
-    sorted_values = values[order]
-    ranks = torch.empty_like(values, dtype=torch.float64)
-    unique, inverse, counts = torch.unique_consecutive(sorted_values, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()
-    mean_rank = ends - (counts.double() - 1) / 2
-    ranks[order] = mean_rank[inverse]
-    return ranks
+    return float(binary_auroc(scores.double(), labels))
 
 
 @dataclass

@@ -6,12 +6,12 @@ then keep the best N drafts.
 
 A node's acceptance frequency is the share of verification steps whose accepted path runs through it. With
 the lossless `exact` rule it does not depend on the rest of the tree, as long as the tree holds the node's
-ancestors and its earlier siblings: a child is tried only after its earlier siblings were rejected (cascade.md
-§8), a node's c-th draw is the same draw however many its parent makes (Gumbel top-k), and the drafter reads
-only a node's ancestors. So one decode with the candidate tree gives the tau of every such sub-tree,
-1 + the sum of its nodes' frequencies, and the best sub-tree of N drafts takes the most frequent nodes that keep
-it closed under parents and earlier siblings (`fit_static_tree`: exact when frequencies fall from a node to
-its children and later siblings, as measured ones do; a greedy choice otherwise).
+ancestors and its earlier siblings: a child is tried only after its earlier siblings were rejected (docs/method.md,
+section "Tree verification"), a node's c-th draw is the same draw however many its parent makes (Gumbel top-k), and the
+drafter reads only a node's ancestors. So one decode with the candidate tree gives the tau of every such sub-tree, 1 +
+the sum of its nodes' frequencies, and the best sub-tree of N drafts takes the most frequent nodes that keep it closed
+under parents and earlier siblings (`fit_static_tree`: exact when frequencies fall from a node to its children and later
+siblings, as measured ones do; a greedy choice otherwise).
 
 Which N is fastest depends on the hardware: a node costs tree-forward arithmetic, a level costs a drafter call.
 Time the written trees side by side with `python -m inference.bench --static-tree FILE.json` (docs/decoding.md,
