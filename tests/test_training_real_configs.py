@@ -176,7 +176,8 @@ def test_fit_runs_the_config_as_written_on_two_cpu_ranks(name: str, tmp_path: Pa
     export_weights = load_file(str(exported.folder / WEIGHTS_NAME))
     assert sorted(run_weights) == sorted(export_weights)
     for key, value in run_weights.items():
-        assert value.dtype == torch.float32 and torch.equal(value, export_weights[key]), key
+        assert torch.equal(value, export_weights[key]) and value.dtype == export_weights[key].dtype, key
+        assert value.dtype == torch.float32 or not value.is_floating_point(), (key, value.dtype)  # d2t/t2d: ids
     assert "float32" in (run / "drafter" / "README.md").read_text()
     assert exported.config.architecture == name.split("_")[0]
     # train/grad_norm is logged under ZeRO-2 (the engine's global norm: the parameters' .grad stays empty)

@@ -256,8 +256,9 @@ def _tau_lines(info: RunInfo) -> list[str]:
 
 
 def _weights_dtype(model: EagleDraftModel) -> str:
-    """The dtype(s) of the exported weights, e.g. "float32"."""
-    return ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.state_dict().values()}))
+    """The dtype(s) of the exported floating-point weights, e.g. "float32" (the vocabulary maps are integer ids)."""
+    floats = [p for p in model.state_dict().values() if p.is_floating_point()]
+    return ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in floats}))
 
 
 def _weights_origin(source: DrafterSource) -> str:
