@@ -9,20 +9,32 @@ subclass takes plain arguments (what LightningCLI and YAML configs give), loads 
 `setup` (building the module never loads a 7B model), and with `extract_config` runs the extraction
 recipe once per node in `prepare_data` when `train_dir` has no manifest, so `python training/fit.py
 --config demo` runs on a fresh machine. `resolve_config_path` finds configs by bare name in `configs/`.
+
+Start-up, on every process (`setup`), before the target's weights load: the manifest's checkpoint against
+the configured one (`models.checkpoint_identity`), then the shards' sha256 (`data.verify`, each process
+hashing its share of what the stamp does not vouch for). The outcome is agreed across processes
+(`agree_on_failure`), so a dataset error on one rank stops every rank with the same message.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
-from data.data_config import DataConfig
+from data.data_config import DataConfig, SkippedSamplesWarning
 from data.datamodule import FeatureDataModule
+from data.errors import DatasetError, ShardError
 from data.extract_config import resolve_config_path
+from data.manifest import MANIFEST_NAME, load_manifest
 from data.shards import TargetIdentity
+from data.verify import default_workers, verify_shards, verify_shards_shared
+from models.checkpoint_identity import checkpoint_identity
 from models.registry import shared_target
 
 
@@ -90,12 +102,22 @@ class DrafterDataModule(FeatureDataModule):
                 "as in YAML: extract_overrides: {prompts.count: 3072} (or {prompts: {count: 3072}})"
             )
         self.extract_overrides = dict(extract_overrides or {})
+        self._prepare_error: BaseException | None = None
+        self._verify_result: dict[str, str] | None = None
 
     def prepare_data(self) -> None:
-        """Once per node, before any rank's setup: extract a missing dataset, then verify its shards (`data.verify`)."""
-        self._extract_if_missing()
-        if self.config.verify:
-            self.verify_datasets()
+        """Once per node (local rank 0), while the node's other processes wait: extract a missing dataset.
+
+        Nothing here is hashed: verification runs in `setup`, where every process hashes its share. Under a
+        process group an error is kept for `setup` to raise on every process at once (raised here, it would end
+        this process alone and leave the others waiting at Lightning's next barrier).
+        """
+        try:
+            self._extract_if_missing()
+        except Exception as error:
+            if _world_size(self.trainer) == 1:
+                raise
+            self._prepare_error = error
 
     def _extract_if_missing(self) -> None:
         manifest = Path(self.config.train_dir) / "manifest.json"
@@ -115,12 +137,29 @@ class DrafterDataModule(FeatureDataModule):
                      f"target={self.target_name}", f"target_options={json.dumps(self.target_options)}"]  # fmt: skip
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
+        checkpoint = checkpoint_identity(self.target_name, self.target_options)
         target = shared_target(self.target_name, self.target_options)
-        if run_extraction(config, target, rank=0, world_size=1) is None:
+        if run_extraction(config, target, rank=0, world_size=1, checkpoint=checkpoint) is None:
             raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
 
     def setup(self, stage: str | None = None) -> None:
-        if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
+        """Check the datasets against the configured checkpoint, verify their shards, then load the target.
+
+        Every process runs it; under a process group the outcome is agreed (`agree_on_failure`): an error on
+        any process is raised on every process with the same message, a `DatasetError` as a `DatasetError`
+        (training/fit.py exits 2), so no process is left waiting for one that stopped.
+        """
+        agree_on_failure(self.trainer, lambda: self._setup(stage))
+
+    def _setup(self, stage: str | None) -> None:
+        error, self._prepare_error = self._prepare_error, None
+        if error is not None:
+            raise error
+        if self.target is None:
+            self.check_checkpoints()  # before any weights load: a mismatch costs nothing
+            if self.config.verify and self.config.on_error == "raise":
+                self.verify_datasets()  # raises before the target loads (under skip, super().setup warns)
+            # loaded here, not in __init__: building the DataModule must not load a 7B model
             self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
         super().setup(stage)
         # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream
@@ -128,6 +167,109 @@ class DrafterDataModule(FeatureDataModule):
         config = getattr(getattr(self.trainer, "strategy", None), "config", None)
         if isinstance(config, dict) and "zero_optimization" in config:
             config.setdefault("train_micro_batch_size_per_gpu", self.config.batch_size)
+
+    def check_checkpoints(self) -> None:
+        """Refuse a dataset whose manifest records other weights than target/target_options name (no loading).
+
+        Raises:
+            ManifestError: naming the dataset's checkpoint and the configured one.
+        """
+        configured = checkpoint_identity(self.target_name, self.target_options)
+        for folder in self._folders():
+            manifest = load_manifest(folder)
+            manifest.check_checkpoint(configured, source=str(Path(folder) / MANIFEST_NAME))
+
+    def verify_datasets(self) -> dict[str, str]:
+        """Hash the train (and val) shards the stamp does not vouch for, each process its share: path -> problem.
+
+        Once per DataModule: a second call (a fit after a validate) returns the first one's result.
+
+        Raises:
+            ShardError: naming every failed shard, under on_error="raise", before anything trains.
+        """
+        if self._verify_result is None:
+            self._verify_result = self._verify_all()
+        failed = self._verify_result
+        if failed and self.config.on_error == "raise":
+            raise ShardError(
+                f"{len(failed)} shard(s) failed verification before training, nothing was trained:\n  "
+                + "\n  ".join(failed.values())
+                + "\n(set data.on_error=skip to train without them)"
+            )
+        for problem in failed.values():
+            warnings.warn(f"skipping a shard that failed verification: {problem}", SkippedSamplesWarning, stacklevel=2)
+        return failed
+
+    def _verify_all(self) -> dict[str, str]:
+        failed: dict[str, str] = {}
+        trainer, world_size = self.trainer, _world_size(self.trainer)
+        rank = trainer.global_rank if trainer is not None else 0
+        workers = default_workers(trainer.num_devices if trainer is not None else 1)
+        for folder in self._folders():
+            manifest = load_manifest(folder)
+            if world_size > 1:
+                report = verify_shards_shared(
+                    folder, manifest, rank, world_size, _all_gather, fallback_dir=self._run_dir(), workers=workers
+                )
+            else:
+                report = verify_shards(folder, manifest, fallback_dir=self._run_dir(), workers=workers)
+            if rank == 0:
+                print(f"{folder}: {report.summary()}")
+            failed.update({str(Path(folder) / name): problem for name, problem in report.failed.items()})
+        return failed
+
+    def _folders(self) -> list[str]:
+        return [self.config.train_dir] + ([self.config.val_dir] if self.config.val_dir else [])
+
+
+def _world_size(trainer: Any) -> int:
+    """Processes of the job: the trainer's, when a process group is up; 1 otherwise."""
+    if trainer is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return int(trainer.world_size)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every process's `obj`, in rank order (torch.distributed.all_gather_object on the default group)."""
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+def agree_on_failure(trainer: Any, step: Callable[[], None]) -> None:
+    """Run `step` on every process; if it raised anywhere, raise on every process, with one message.
+
+    Every process reaches the same gather whether its `step` succeeded or failed, and waits there only for
+    the slowest process's `step` (the steps are the same work on each). The message names the processes
+    that failed and what each raised: a `DatasetError` everywhere when every failure was one (so training/
+    fit.py exits 2 on every rank), else a RuntimeError on the processes that did not fail (the one that
+    did re-raises its own exception). Without a process group, `step` runs and raises as it would.
+    """
+    if _world_size(trainer) == 1:
+        step()
+        return
+    error: BaseException | None = None
+    try:
+        step()
+    except Exception as caught:
+        error = caught
+    outcome = None if error is None else (isinstance(error, DatasetError), f"{type(error).__name__}: {error}")
+    outcomes = _all_gather(outcome)
+    failures = [(rank, found) for rank, found in enumerate(outcomes) if found is not None]
+    if not failures:
+        return
+    by_message: dict[str, list[int]] = {}
+    for rank, (_, message) in failures:
+        by_message.setdefault(message, []).append(rank)
+    text = "\n".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {len(outcomes)}: {message}"
+        for message, ranks in by_message.items()
+    )
+    if all(dataset for _, (dataset, _) in failures):
+        raise DatasetError(text) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"another process failed while setting up the data, so this one stops too:\n{text}")
 
 
 def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
@@ -142,4 +284,4 @@ def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
     return overrides
 
 
-__all__ = ["DrafterDataModule", "dotted_overrides", "resolve_config_path"]
+__all__ = ["DrafterDataModule", "agree_on_failure", "dotted_overrides", "resolve_config_path"]
