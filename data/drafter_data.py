@@ -145,21 +145,34 @@ class DrafterDataModule(FeatureDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Check the datasets against the configured checkpoint, verify their shards, then load the target.
 
-        Every process runs it; under a process group the outcome is agreed (`agree_on_failure`): an error on
-        any process is raised on every process with the same message, a `DatasetError` as a `DatasetError`
-        (training/fit.py exits 2), so no process is left waiting for one that stopped.
+        Every process runs it, in three steps whose outcome is agreed across processes (`agree_on_failure`):
+        an error on any process is raised on every process with the same message, a `DatasetError` as a
+        `DatasetError` (training/fit.py exits 2), so no process is left waiting for one that stopped. Each
+        step either makes no collective call or makes all of its own before anything in it can raise, so the
+        processes' collective calls always pair up.
         """
-        agree_on_failure(self.trainer, lambda: self._setup(stage))
+        trainer = self.trainer
+        if self.target is None:
+            agree_on_failure(trainer, self._check_before_loading)  # no collective calls
+            if self.config.verify:
+                agree_on_failure(trainer, self._verify_step)  # its gathers come before anything raises
+        agree_on_failure(trainer, lambda: self._load_and_set_up(stage))  # no collective calls
 
-    def _setup(self, stage: str | None) -> None:
+    def _check_before_loading(self) -> None:
         error, self._prepare_error = self._prepare_error, None
         if error is not None:
             raise error
-        if self.target is None:
-            self.check_checkpoints()  # before any weights load: a mismatch costs nothing
-            if self.config.verify and self.config.on_error == "raise":
-                self.verify_datasets()  # raises before the target loads (under skip, super().setup warns)
-            # loaded here, not in __init__: building the DataModule must not load a 7B model
+        self.check_checkpoints()  # before any weights load: a mismatch costs nothing
+
+    def _verify_step(self) -> None:
+        """Hash (each process its share), then raise under on_error="raise"; super().setup warns under skip."""
+        if self._verify_result is None:
+            self._verify_result = self._verify_all()
+        if self.config.on_error == "raise":
+            self.verify_datasets()
+
+    def _load_and_set_up(self, stage: str | None) -> None:
+        if self.target is None:  # loaded here, not in __init__: building the DataModule must not load a 7B model
             self.target = TargetIdentity.from_target(shared_target(self.target_name, self.target_options))
         super().setup(stage)
         # DeepSpeed reads the micro-batch size from the loader's batch_sampler, which an iterable stream

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -224,7 +225,10 @@ def hash_shards(plan: VerifyPlan, names: list[str], workers: int | None = None) 
         except OSError:
             entry = None
         info = infos[name]
-        problem, hashed = _shard_problem(plan.folder, path, info.num_bytes, info.sha256)
+        try:
+            problem, hashed = _shard_problem(plan.folder, path, info.num_bytes, info.sha256)
+        except OSError as error:  # reported, never raised: in a shared verification every process must gather
+            problem, hashed = f"{path}: cannot be read ({error.strerror or error}); {REEXTRACT}", 0
         return ShardCheck(problem, hashed, entry if problem is None else None)
 
     if not names:
@@ -266,8 +270,12 @@ def finish_verification(
             elif check.entry is not None:
                 entries[info.name] = check.entry
     if write and plan.stamp is not None and report.hashed:
-        plan.stamp.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(plan.stamp, json.dumps({"manifest_sha256": plan.digest, "shards": entries}, indent=1))
+        try:
+            write_atomic(plan.stamp, json.dumps({"manifest_sha256": plan.digest, "shards": entries}, indent=1))
+        except OSError as error:  # the shards verified; only the next fit's shortcut is lost
+            warnings.warn(f"{plan.stamp}: the verification stamp cannot be written ({error}); the next fit hashes "
+                          "these shards again", stacklevel=2)  # fmt: skip
+            report.stamp = None
     return report
 
 
