@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
 from data.data_config import DataConfig, SkippedSamplesWarning
-from data.datamodule import FeatureDataModule
+from data.datamodule import FeatureDataModule, ResumableLoader
 from data.errors import DatasetError, ShardError
 from data.extract_config import resolve_config_path
 from data.manifest import MANIFEST_NAME, load_manifest
@@ -104,6 +105,7 @@ class DrafterDataModule(FeatureDataModule):
         self.extract_overrides = dict(extract_overrides or {})
         self._prepare_error: BaseException | None = None
         self._verify_result: dict[str, str] | None = None
+        self._agreement: RankAgreement | None = None
 
     def prepare_data(self) -> None:
         """Once per node (local rank 0), while the node's other processes wait: extract a missing dataset.
@@ -152,11 +154,30 @@ class DrafterDataModule(FeatureDataModule):
         processes' collective calls always pair up.
         """
         trainer = self.trainer
+        if self._agreement is None and _world_size(trainer) > 1:
+            self._agreement = RankAgreement()  # every process creates its gloo group here, at the same point
+        agreement = self._agreement
         if self.target is None:
-            agree_on_failure(trainer, self._check_before_loading)  # no collective calls
+            agree_on_failure(trainer, self._check_before_loading, agreement)  # no collective calls
             if self.config.verify:
-                agree_on_failure(trainer, self._verify_step)  # its gathers come before anything raises
-        agree_on_failure(trainer, lambda: self._load_and_set_up(stage))  # no collective calls
+                agree_on_failure(trainer, self._verify_step, agreement)  # its gathers come before anything raises
+        agree_on_failure(trainer, lambda: self._load_and_set_up(stage), agreement)  # no collective calls
+
+    def train_dataloader(self) -> ResumableLoader:
+        """The training loader; under a process group each batch is agreed (`RankAgreement.batches`)."""
+        loader = super().train_dataloader()
+        if self._agreement is not None:
+            loader.__class__ = _AgreedResumableLoader  # the same loader and state, its batches agreed
+            loader.agreement = self._agreement  # type: ignore[attr-defined]
+        return loader
+
+    def val_dataloader(self) -> DataLoader | list:
+        """The validation loader (or none); under a process group each batch is agreed."""
+        loader = super().val_dataloader()
+        if self._agreement is not None and isinstance(loader, DataLoader):
+            loader.__class__ = _AgreedDataLoader
+            loader.agreement = self._agreement  # type: ignore[attr-defined]
+        return loader
 
     def _check_before_loading(self) -> None:
         error, self._prepare_error = self._prepare_error, None
@@ -221,8 +242,10 @@ class DrafterDataModule(FeatureDataModule):
         for folder in self._folders():
             manifest = load_manifest(folder)
             if world_size > 1:
+                assert self._agreement is not None
+                gather = self._agreement.all_gather
                 report = verify_shards_shared(
-                    folder, manifest, rank, world_size, _all_gather, fallback_dir=self._run_dir(), workers=workers
+                    folder, manifest, rank, world_size, gather, fallback_dir=self._run_dir(), workers=workers
                 )
             else:
                 report = verify_shards(folder, manifest, fallback_dir=self._run_dir(), workers=workers)
@@ -242,47 +265,117 @@ def _world_size(trainer: Any) -> int:
     return int(trainer.world_size)
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    """Every process's `obj`, in rank order (torch.distributed.all_gather_object on the default group)."""
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
+class RankAgreement:
+    """What every process of a job learns together: failures at start-up and while reading batches.
+
+    Its collective calls go over a gloo group of all processes (CPU tensors: no GPU synchronisation, and the
+    same on every backend), created by every process at once in `DrafterDataModule.setup`. Each call waits
+    only until the slowest process arrives, which for the same work on every process is the imbalance
+    between them, never the work itself.
+    """
+
+    def __init__(self) -> None:
+        self.group = torch.distributed.new_group(backend="gloo")
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every process's `obj`, in rank order."""
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def raise_agreed(self, error: BaseException | None, doing: str) -> None:
+        """Gather every process's error (None: none) and raise one message everywhere if there is any.
+
+        A `DatasetError` on every process when every failure was one (training/fit.py exits 2 on every rank);
+        otherwise the failing process re-raises its own exception and the others a RuntimeError naming it.
+        """
+        outcome = None if error is None else (isinstance(error, DatasetError), f"{type(error).__name__}: {error}")
+        outcomes = self.all_gather(outcome)
+        failures = [(rank, found) for rank, found in enumerate(outcomes) if found is not None]
+        if not failures:
+            return
+        by_message: dict[str, list[int]] = {}
+        for rank, (_, message) in failures:
+            by_message.setdefault(message, []).append(rank)
+        text = "\n".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {self.world_size}: {message}"
+            for message, ranks in by_message.items()
+        )
+        if all(dataset for _, (dataset, _) in failures):
+            raise DatasetError(text) from error
+        if error is not None:
+            raise error
+        raise RuntimeError(f"another process failed {doing}, so this one stops too:\n{text}")
+
+    def run(self, step: Callable[[], None], doing: str) -> None:
+        """Run `step` here; if it raised on any process, raise on every process (`raise_agreed`)."""
+        error: BaseException | None = None
+        try:
+            step()
+        except Exception as caught:
+            error = caught
+        self.raise_agreed(error, doing)
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """`iterator`'s batches, each handed out once every process has its own (one small all-reduce each).
+
+        A batch that fails to load on one process (a `SampleError` under data.on_error=raise, a worker that
+        died) is raised on every process at that step, instead of leaving the others waiting in the step's
+        gradient all-reduce. Every process runs the same number of batches per epoch (`data.epoch_plan`);
+        an epoch that ends on some processes but not others is an error on all of them.
+        """
+        while True:
+            batch, error, stopped = None, None, False
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                stopped = True
+            except Exception as caught:
+                error = caught
+            counts = torch.tensor([error is not None, stopped, error is None and not stopped], dtype=torch.int64)
+            torch.distributed.all_reduce(counts, group=self.group)  # (failed, stopped, running) processes
+            failed, ended, running = (int(count) for count in counts)
+            if failed:
+                self.raise_agreed(error, "while reading a batch")
+            if ended and running:
+                raise RuntimeError(
+                    f"the data loader's epoch ended on {ended} of {self.world_size} processes and not on the "
+                    "others; every rank must run the same number of batches (data.epoch_plan)"
+                )
+            if ended:
+                return
+            yield batch
 
 
-def agree_on_failure(trainer: Any, step: Callable[[], None]) -> None:
+def agree_on_failure(trainer: Any, step: Callable[[], None], agreement: RankAgreement | None = None) -> None:
     """Run `step` on every process; if it raised anywhere, raise on every process, with one message.
 
-    Every process reaches the same gather whether its `step` succeeded or failed, and waits there only for
-    the slowest process's `step` (the steps are the same work on each). The message names the processes
-    that failed and what each raised: a `DatasetError` everywhere when every failure was one (so training/
-    fit.py exits 2 on every rank), else a RuntimeError on the processes that did not fail (the one that
-    did re-raises its own exception). Without a process group, `step` runs and raises as it would.
+    Without a process group (or `agreement`), `step` runs and raises as it would.
     """
-    if _world_size(trainer) == 1:
+    if agreement is None or _world_size(trainer) == 1:
         step()
         return
-    error: BaseException | None = None
-    try:
-        step()
-    except Exception as caught:
-        error = caught
-    outcome = None if error is None else (isinstance(error, DatasetError), f"{type(error).__name__}: {error}")
-    outcomes = _all_gather(outcome)
-    failures = [(rank, found) for rank, found in enumerate(outcomes) if found is not None]
-    if not failures:
-        return
-    by_message: dict[str, list[int]] = {}
-    for rank, (_, message) in failures:
-        by_message.setdefault(message, []).append(rank)
-    text = "\n".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {len(outcomes)}: {message}"
-        for message, ranks in by_message.items()
-    )
-    if all(dataset for _, (dataset, _) in failures):
-        raise DatasetError(text) from error
-    if error is not None:
-        raise error
-    raise RuntimeError(f"another process failed while setting up the data, so this one stops too:\n{text}")
+    agreement.run(step, "while setting up the data")
+
+
+class _AgreedResumableLoader(ResumableLoader):
+    """A `ResumableLoader` whose batches are agreed across processes (`RankAgreement.batches`)."""
+
+    agreement: RankAgreement
+
+    def _count(self, iterator: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        return super()._count(self.agreement.batches(iterator))
+
+
+class _AgreedDataLoader(DataLoader):
+    """A validation DataLoader whose batches are agreed across processes (`RankAgreement.batches`)."""
+
+    agreement: RankAgreement
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self.agreement.batches(iter(super().__iter__()))
 
 
 def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
@@ -297,4 +390,4 @@ def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
     return overrides
 
 
-__all__ = ["DrafterDataModule", "agree_on_failure", "dotted_overrides", "resolve_config_path"]
+__all__ = ["DrafterDataModule", "RankAgreement", "agree_on_failure", "dotted_overrides", "resolve_config_path"]

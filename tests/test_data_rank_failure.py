@@ -2,9 +2,12 @@
 
 Two `python -m training.fit` processes form a 2-rank gloo job as `srun` starts one (each is given LOCAL_RANK,
 NODE_RANK, WORLD_SIZE and the master's address, so Lightning launches nothing itself, and each has its own
-exit code). Rank 1's data.train_dir is a damaged copy of rank 0's: only rank 1 can see the damage. Without
-`DrafterDataModule.setup`'s agreement rank 1 would exit 2 and rank 0 would wait at Lightning's next barrier
-until the process-group timeout (30 minutes); with it both stop within seconds of each other.
+exit code). Rank 1's data.train_dir is a damaged copy of rank 0's: only rank 1 can see the damage: shards
+that fail their sha256 (found by the shared hashing in setup), a missing manifest (found by rank 1 alone in
+setup), or NaN features in a shard whose manifest entry was updated to match (found only as rank 1 reads its
+first training batch). Without the agreement (`data.drafter_data.RankAgreement`) rank 1 would exit 2 and
+rank 0 would wait at Lightning's next barrier, or in the step's gradient all-reduce, until the process-group
+timeout (30 minutes); with it both stop within seconds of each other.
 """
 
 from __future__ import annotations
@@ -17,13 +20,23 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from data_damage import Sample, rewrite_shard
 from test_data_verify import flip_feature_byte
 from test_training_fit import tiny_dataset, tiny_run_config  # noqa: F401 (a module fixture)
 
 from data.verify import STAMP_NAME
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def poison_every_sample(samples: list[Sample]) -> list[Sample]:
+    for _, arrays, _ in samples:
+        arrays["hidden"][0, 0] = np.nan
+    return samples
+
+
 DEADLINE_S = 60.0
 
 
@@ -39,6 +52,7 @@ def free_port() -> int:
     [
         ("shards", "ranks 0, 1 of 2: ShardError: 1 shard(s) failed verification"),  # gathered by the hashing
         ("manifest", "rank 1 of 2: ManifestNotFoundError: "),  # rank 1 alone fails: agree_on_failure spreads it
+        ("sample", "rank 1 of 2: SampleError: "),  # hashes right, fails as it is read: the batch agreement
     ],
 )
 def test_damage_only_rank_1_sees_ends_both_ranks_with_exit_2_and_one_message(
@@ -53,8 +67,11 @@ def test_damage_only_rank_1_sees_ends_both_ranks_with_exit_2_and_one_message(
         (folder / STAMP_NAME).unlink(missing_ok=True)
     if damage == "manifest":
         (damaged / "manifest.json").unlink()
-    for index, shard in enumerate(sorted(damaged.glob("shard-*.tar"))):  # all: whichever share rank 1 hashes
-        flip_feature_byte(shard, key=f"{4 * index:09d}")  # the first sample of each shard of 4
+    if damage == "sample":  # NaN features in every training sample (shard 0; shard 1 validates), sha256 updated
+        rewrite_shard(damaged, 0, poison_every_sample)
+    else:
+        for index, shard in enumerate(sorted(damaged.glob("shard-*.tar"))):  # all: whichever share rank 1 hashes
+            flip_feature_byte(shard, key=f"{4 * index:09d}")  # the first sample of each shard of 4
     config = tiny_run_config(tmp_path, clean)
     port = free_port()
     processes = []
@@ -92,4 +109,5 @@ def test_damage_only_rank_1_sees_ends_both_ranks_with_exit_2_and_one_message(
     assert expected in message and str(damaged) in message
     assert str(clean) not in message  # rank 0's copy is clean
     assert abs(ended[1] - ended[0]) < DEADLINE_S
-    assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained
+    if damage != "sample":
+        assert not list(tmp_path.rglob("*.ckpt"))  # nothing trained (a SampleError stops the first step)
