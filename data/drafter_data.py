@@ -18,6 +18,7 @@ hashing its share of what the stamp does not vouch for). The outcome is agreed a
 
 from __future__ import annotations
 
+import datetime
 import json
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,6 +38,14 @@ from data.shards import TargetIdentity
 from data.verify import default_workers, verify_shards, verify_shards_shared
 from models.checkpoint_identity import checkpoint_identity
 from models.registry import shared_target
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+"""The process-group timeout the real configs set explicitly (strategy `timeout: "0:30:00"`, quoted: YAML reads
+an unquoted 0:30:00 as the integer 1800). Start-up never spends it on hashing (each rank hashes its share and
+the ranks meet once the shares are done, about one shard's hashing apart); what it must cover is the imbalance
+of every rank loading the target, of checkpoint writes and of validation, a few minutes. Lightning's default
+(DDPStrategy, DeepSpeedStrategy) is the same 30 minutes; the configs state it so that the value is read where
+the run is configured, not inherited from a library's default."""
 
 
 class DrafterDataModule(FeatureDataModule):
@@ -390,4 +399,11 @@ def dotted_overrides(values: dict[str, Any], prefix: str = "") -> list[str]:
     return overrides
 
 
-__all__ = ["DrafterDataModule", "RankAgreement", "agree_on_failure", "dotted_overrides", "resolve_config_path"]
+__all__ = [
+    "PROCESS_GROUP_TIMEOUT",
+    "DrafterDataModule",
+    "RankAgreement",
+    "agree_on_failure",
+    "dotted_overrides",
+    "resolve_config_path",
+]
