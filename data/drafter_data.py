@@ -33,7 +33,7 @@ from data.data_config import DataConfig, SkippedSamplesWarning
 from data.datamodule import FeatureDataModule, ResumableLoader
 from data.errors import DatasetError, ShardError
 from data.extract_config import resolve_config_path
-from data.manifest import MANIFEST_NAME, load_manifest
+from data.manifest import MANIFEST_NAME, Manifest, load_manifest
 from data.shards import TargetIdentity
 from data.verify import default_workers, verify_shards, verify_shards_shared
 from models.checkpoint_identity import checkpoint_identity
@@ -115,6 +115,8 @@ class DrafterDataModule(FeatureDataModule):
         self._prepare_error: BaseException | None = None
         self._verify_result: dict[str, str] | None = None
         self._agreement: RankAgreement | None = None
+        self._manifests: dict[str, Manifest] = {}
+        """Dataset folder -> its manifest, as the checkpoint check read it."""
 
     def prepare_data(self) -> None:
         """Once per node (local rank 0), while the node's other processes wait: extract a missing dataset.
@@ -221,6 +223,7 @@ class DrafterDataModule(FeatureDataModule):
         for folder in self._folders():
             manifest = load_manifest(folder)
             manifest.check_checkpoint(configured, source=str(Path(folder) / MANIFEST_NAME))
+            self._manifests[folder] = manifest  # verification hashes against this one: no reading in between
 
     def verify_datasets(self) -> dict[str, str]:
         """Hash the train (and val) shards the stamp does not vouch for, each process its share: path -> problem.
@@ -249,7 +252,7 @@ class DrafterDataModule(FeatureDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         workers = default_workers(trainer.num_devices if trainer is not None else 1)
         for folder in self._folders():
-            manifest = load_manifest(folder)
+            manifest = self._manifests.get(folder) or load_manifest(folder)
             if world_size > 1:
                 assert self._agreement is not None
                 gather = self._agreement.all_gather

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.errors import ShardError
+from data.errors import ManifestError, ShardError
 from data.manifest import MANIFEST_NAME, Manifest, load_manifest
 from data.shard_reader import REEXTRACT, iter_raw_samples
 from data.shards import write_atomic
@@ -181,9 +181,6 @@ class VerifyPlan:
     pending: list[str]
     """Shards to hash, in manifest order."""
 
-    def sizes(self) -> dict[str, int]:
-        return {info.name: info.num_bytes for info in self.manifest.shards}
-
 
 def plan_verification(folder: str | Path, manifest: Manifest, fallback_dir: str | Path | None = None) -> VerifyPlan:
     """Which shards the stamp vouches for (same manifest, and the same stat as when they last verified)."""
@@ -317,14 +314,21 @@ def verify_shards_shared(
     gather only for the difference between the shares, about one shard's hashing, however large the dataset.
     The folder must be the same files for every process (a shared file system).
     """
-    plan = plan_verification(folder, manifest, fallback_dir)
-    pending = all_gather(plan.pending)[0]  # rank 0's view decides, so every process deals the same list
+    plan, error = None, None
+    try:
+        plan = plan_verification(folder, manifest, fallback_dir)
+    except OSError as caught:  # raised after both gathers, so that every process's gathers still pair up
+        error = caught
+    pending = all_gather(plan.pending if plan is not None else [])[0]  # rank 0's view decides for every process
     start = time.perf_counter()
-    share = split_by_size(pending, plan.sizes(), world_size)[rank]
-    mine = hash_shards(plan, share, workers)
+    sizes = {info.name: info.num_bytes for info in manifest.shards}
+    share = split_by_size(pending, sizes, world_size)[rank]
+    mine = hash_shards(plan, share, workers) if plan is not None else {}
     checks: dict[str, ShardCheck] = {}
     for gathered in all_gather(mine):
         checks.update(gathered)
+    if plan is None:
+        raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: cannot be read to verify the shards ({error})")
     plan.trusted = {name: entry for name, entry in plan.trusted.items() if name not in checks}
     return finish_verification(plan, checks, time.perf_counter() - start, write=rank == 0)
 
