@@ -150,8 +150,8 @@ class DrafterDataModule(FeatureDataModule):
                      f"target={self.target_name}", f"target_options={json.dumps(self.target_options)}"]  # fmt: skip
         config = load_config(resolve_config_path(self.extract_config), overrides)
         print(f"{manifest} is missing: extracting features with {self.extract_config} -> {config.out_dir}")
-        checkpoint = checkpoint_identity(self.target_name, self.target_options)
         target = shared_target(self.target_name, self.target_options)
+        checkpoint = checkpoint_identity(self.target_name, self.target_options)  # loaded: a hub id is cached now
         if run_extraction(config, target, rank=0, world_size=1, checkpoint=checkpoint) is None:
             raise RuntimeError(f"extraction into {config.out_dir} did not finish; rerun to resume it")
 

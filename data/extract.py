@@ -332,8 +332,9 @@ def run_extraction(
         target: the model; None loads `config.target` from the registry.
         rank, world_size: default to torchrun's RANK and WORLD_SIZE (0 and 1 without torchrun).
         checkpoint: the weights a given `target` was loaded from, for the manifest; with `target` None it is
-            `checkpoint_identity(config.target, config.target_options)`. A target passed without it (one
-            built in code) is recorded as unknown.
+            `checkpoint_identity(config.target, config.target_options)`, taken once the target is loaded (so
+            a hub id's files are in the cache, and every rank, resumed or not, records the same). A target
+            passed without it (one built in code) is recorded as unknown.
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -342,8 +343,8 @@ def run_extraction(
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if target is None:
-        checkpoint = checkpoint_identity(config.target, config.target_options)  # before loading: files as found
         target = load_target(config.target, **config.target_options)
+        checkpoint = checkpoint_identity(config.target, config.target_options)  # after loading: a hub id is cached
     job = build_job(config, target, checkpoint)
     out_dir = Path(config.out_dir)
     (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)

@@ -246,3 +246,20 @@ def test_processes_hash_their_shares_and_every_one_reports_every_failure(tmp_pat
     for report in reports.values():
         assert list(report.failed) == ["shard-000003.tar"] and len(report.hashed) == 5  # type: ignore[attr-defined]
     assert len(verify_shards(folder, load_manifest(folder)).trusted) == 4  # rank 0 wrote the stamp
+
+
+def test_the_stamp_is_written_through_the_one_write_atomic_with_host_and_pid_in_its_temporary_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import data.shards
+    import inference.decoding.files as files
+
+    assert data.shards.write_atomic is files.write_atomic  # one helper for the whole project
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, COUNTS)
+    renamed: list[tuple[str, str]] = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append((str(src), str(dst))), replace(src, dst)))
+    verify_shards(folder, manifest)
+    temporary = [Path(src).name for src, dst in renamed if Path(dst).name == STAMP_NAME]
+    assert temporary == [f".{STAMP_NAME}.{files.host_name()}.{os.getpid()}.tmp"]
