@@ -60,7 +60,8 @@ class VerifyReport:
     hashed: list[str] = field(default_factory=list)
     """Shards hashed in this pass (they were new, changed, or the stamp was missing or stale)."""
     trusted: list[str] = field(default_factory=list)
-    """Shards the stamp vouched for: same manifest, size and mtime as when they last verified."""
+    """Shards the stamp vouched for: same manifest, and the same device, inode, ctime, size and mtime as when they
+    last verified."""
     failed: dict[str, str] = field(default_factory=dict)
     """Shard name -> what is wrong (missing, not a regular file, size, sha256)."""
     bytes_hashed: int = 0
