@@ -43,10 +43,9 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 """The process-group timeout the real configs set explicitly (strategy `timeout: "0:30:00"`, quoted: YAML 1.1
 reads an unquoted h:mm:ss such as 1:30:00 as a base-60 integer). Start-up never spends it on hashing (each
 rank hashes its share and the ranks meet once the shares are done, about one shard's hashing apart); what it
-must cover is the imbalance
-of every rank loading the target, of checkpoint writes and of validation, a few minutes. Lightning's default
-(DDPStrategy, DeepSpeedStrategy) is the same 30 minutes; the configs state it so that the value is read where
-the run is configured, not inherited from a library's default."""
+must cover is the imbalance of every rank loading the target, of checkpoint writes and of validation, a few
+minutes. Lightning's default (DDPStrategy, DeepSpeedStrategy) is the same 30 minutes; the configs state it so
+that the value is read where the run is configured, not inherited from a library's default."""
 
 
 class DrafterDataModule(FeatureDataModule):
