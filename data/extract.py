@@ -67,6 +67,7 @@ from data.shards import (
 )
 from data.validate import validate_dataset
 from inference.decoding.autoregressive import generate_ar
+from models.checkpoint_identity import CheckpointIdentity, checkpoint_identity
 from models.registry import load_target, process_target_options
 from models.target import ImageTarget, SamplingDefaults, teacher_forced_states
 
@@ -125,8 +126,11 @@ class _Job:
         return range(index * size, min((index + 1) * size, self.header.num_samples))
 
 
-def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
-    """Load the prompts and describe the dataset this config produces (the manifest without shards)."""
+def build_job(config: ExtractConfig, target: ImageTarget, checkpoint: CheckpointIdentity | None = None) -> _Job:
+    """Load the prompts and describe the dataset this config produces (the manifest without shards).
+
+    `checkpoint`: the weights `target` was loaded from, recorded in the manifest (None: unknown).
+    """
     prompts = load_prompts(config.prompts)
     settings = config.sampling_settings(target)
     widths = field_widths(TargetIdentity.from_target(target))
@@ -156,6 +160,7 @@ def build_job(config: ExtractConfig, target: ImageTarget) -> _Job:
         num_tokens=target.geometry.num_tokens,
         samples_per_shard=config.samples_per_shard,
         num_samples=len(prompts) * config.samples_per_prompt,
+        checkpoint=checkpoint,
     )
     return _Job(config, prompts, settings, header)
 
@@ -267,11 +272,21 @@ def _check_or_write_header(job: _Job) -> None:
     old, new = (json.loads(path.read_text()) if path.exists() else None), json.loads(text)
     if old is not None:
         old.setdefault("features", "full")  # job files written before the field existed
+    if old is not None and old.get("schema_version") == 1:  # begun before the checkpoint was recorded:
+        old_v1, new_v1 = dict(old), {k: v for k, v in new.items() if k != "checkpoint"}  # it stays unknown
+        old_v1["schema_version"] = new_v1["schema_version"] = 1
+        if old_v1 == new_v1:
+            return
     if old is not None and old != new:
         changed = [k for k in new if old.get(k) != new.get(k)]
+        weights = (
+            f" (checkpoint: begun with {old.get('checkpoint')}, now {new['checkpoint']})"
+            if "checkpoint" in changed
+            else ""
+        )
         raise ValueError(
             f"{job.config.out_dir} holds an extraction with different settings ({', '.join(changed)} "
-            "changed); resume with the original config or choose a new out_dir"
+            f"changed){weights}; resume with the original config and weights or choose a new out_dir"
         )
     write_atomic(path, text)
 
@@ -308,6 +323,7 @@ def run_extraction(
     rank: int | None = None,
     world_size: int | None = None,
     progress: bool = True,
+    checkpoint: CheckpointIdentity | None = None,
 ) -> Manifest | None:
     """Write this rank's unfinished shards, then the manifest if every shard is done.
 
@@ -315,6 +331,10 @@ def run_extraction(
         config: the job.
         target: the model; None loads `config.target` from the registry.
         rank, world_size: default to torchrun's RANK and WORLD_SIZE (0 and 1 without torchrun).
+        checkpoint: the weights a given `target` was loaded from, for the manifest; with `target` None it is
+            `checkpoint_identity(config.target, config.target_options)`, taken once the target is loaded (so
+            a hub id's files are in the cache, and every rank, resumed or not, records the same). A target
+            passed without it (one built in code) is recorded as unknown.
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -322,8 +342,10 @@ def run_extraction(
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (RANK / WORLD_SIZE)")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    target = target or load_target(config.target, **process_target_options(config.target, config.target_options))
-    job = build_job(config, target)
+    if target is None:
+        target = load_target(config.target, **process_target_options(config.target, config.target_options))
+        checkpoint = checkpoint_identity(config.target, config.target_options)  # after loading: a hub id is cached
+    job = build_job(config, target, checkpoint)
     out_dir = Path(config.out_dir)
     (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)
     _check_or_write_header(job)

@@ -14,19 +14,31 @@ which both `--validate` and the DataModule apply.
 
 The image vocabulary size that bounds the stored token ids is `target.image_vocab_size`; it has been
 part of the target identity since schema version 1, so every manifest carries it.
+
+Schema version 2 adds `checkpoint` (`models.checkpoint_identity.CheckpointIdentity`: the path or hub id of
+the target's weights, the hub revision, a fingerprint of its weight files), so a fit refuses features
+extracted from other weights than the ones it loads (`Manifest.check_checkpoint`). Version 1 manifests (and
+version 2 ones whose extraction could not tell, `checkpoint: null`) are still read: their checkpoint is
+unknown, and a fit warns (`UnknownCheckpointWarning`) instead of checking, since re-extracting a terabyte
+dataset only to record a field is worse than a named warning. `python -m data.extract --merge` on a folder
+whose `.extract/job.json` has no checkpoint keeps it unknown.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from data.errors import ManifestError, ManifestNotFoundError
+from models.checkpoint_identity import CheckpointIdentity
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Versions this code reads; 1 lacks `checkpoint` (read as unknown)."""
 MANIFEST_NAME = "manifest.json"
 FEATURE_FIELDS = ("tokens", "hidden", "aux", "uncond_hidden", "uncond_aux")
 """Array fields a sample may hold, in member order; `tokens` and `hidden` are always present."""
@@ -54,6 +66,10 @@ def _kind(value: Any) -> str:
     kinds[dict] = "an object"
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     return f"{shown} ({kinds.get(type(value), 'null' if value is None else type(value).__name__)})"
+
+
+class UnknownCheckpointWarning(UserWarning):
+    """A dataset's manifest does not say which weights its features came from, so a fit cannot check them."""
 
 
 class _Fields:
@@ -88,6 +104,12 @@ class _Fields:
         value = self.get(key)
         if not isinstance(value, str):
             raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected a string")
+        return value
+
+    def optional_string(self, key: str) -> str | None:
+        value = self.get(key, None)
+        if value is not None and not isinstance(value, str):
+            raise self.error(f"field {self.path(key)!r} is {_kind(value)}, expected a string or null")
         return value
 
     def obj(self, key: str) -> dict[str, Any]:
@@ -163,6 +185,19 @@ class TargetIdentity:
         """`field: self=..., other=...` for every field that differs."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+def checkpoint_from_dict(values: Any, source: str) -> CheckpointIdentity | None:
+    """Parse the manifest's `checkpoint` object (null: unknown)."""
+    if values is None:
+        return None
+    read = _Fields(values, source, "checkpoint")
+    read.no_others(tuple(CheckpointIdentity.__dataclass_fields__))
+    return CheckpointIdentity(
+        source=read.string("source"),
+        revision=read.optional_string("revision"),
+        fingerprint=read.optional_string("fingerprint"),
+    )
 
 
 @dataclass(frozen=True)
@@ -243,21 +278,27 @@ class Manifest:
     samples_per_shard: int
     num_samples: int
     shards: list[ShardInfo] = field(default_factory=list)
+    checkpoint: CheckpointIdentity | None = None
+    """The target's weights the features came from (`models.checkpoint_identity`); None: unknown."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        values = asdict(self)
+        if self.schema_version < 2:  # a version 1 job file being finished: it has no checkpoint field
+            del values["checkpoint"]
+        return json.dumps(values, indent=1)
 
     @classmethod
     def from_dict(cls, values: Any, source: str = "manifest") -> Manifest:
         """Parse and type-check a whole manifest; ManifestError names `source` and the first bad field."""
         read = _Fields(values, source, "")
         version = read.get("schema_version", None)
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise ManifestError(
-                f"{source}: schema_version {version!r} is not {SCHEMA_VERSION}; re-extract the "
+                f"{source}: schema_version {version!r} is not one of {READABLE_VERSIONS}; re-extract the "
                 "dataset with this version of data/extract.py"
             )
-        read.no_others(tuple(cls.__dataclass_fields__))
+        top_level = tuple(cls.__dataclass_fields__)
+        read.no_others(top_level if version >= 2 else tuple(k for k in top_level if k != "checkpoint"))
         fields = {}
         for name, spec in read.obj("fields").items():
             if name not in FEATURE_FIELDS:
@@ -292,6 +333,7 @@ class Manifest:
             samples_per_shard=read.integer("samples_per_shard", minimum=1),
             num_samples=read.integer("num_samples"),
             shards=infos,
+            checkpoint=checkpoint_from_dict(read.get("checkpoint", None), source),
         )
 
     def consistency_problems(self, source: str) -> list[str]:
@@ -343,6 +385,30 @@ class Manifest:
                 f"{source} was extracted from a different target than the one configured "
                 f"(manifest vs configured): {'; '.join(problems)}. Extract features for this "
                 "target, or configure the target the dataset was made with"
+            )
+
+    def check_checkpoint(self, configured: CheckpointIdentity, source: str = "manifest") -> None:
+        """Raise ManifestError if the dataset's features came from other weights than `configured`.
+
+        A manifest that does not record its checkpoint (schema 1, or `checkpoint: null`) passes with an
+        `UnknownCheckpointWarning` naming the file and the configured checkpoint.
+        """
+        if self.checkpoint is None:
+            warnings.warn(
+                f"{source} does not record the target checkpoint its features came from (schema_version "
+                f"{self.schema_version}); training against {configured.describe()} unchecked. Re-extract with "
+                "this version of data/extract.py to record it",
+                UnknownCheckpointWarning,
+                stacklevel=2,
+            )
+            return
+        reason = self.checkpoint.mismatch(configured)
+        if reason is not None:
+            raise ManifestError(
+                f"{source} was extracted from the checkpoint {self.checkpoint.describe()}, but the config loads "
+                f"{configured.describe()}: {reason}. Point the config at the weights the dataset was extracted "
+                "with (model.target_options, or the JANUS_PRO_PATH / LUMINA_MGPT_PATH / LLAMAGEN_DIR variable the "
+                "config's comment names), or re-extract the dataset from the configured weights"
             )
 
 

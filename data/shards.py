@@ -67,6 +67,7 @@ from data.manifest import (
     field_widths,
     load_manifest,
 )
+from inference.decoding.files import write_atomic  # the project's one atomic write (host and pid in its temp name)
 
 __all__ = [  # the manifest and the errors live in their own modules; importers of data.shards still find them
     "BLOCK", "FEATURE_FIELDS", "MANIFEST_NAME", "SCHEMA_VERSION", "DatasetError", "FieldSpec", "Manifest",
@@ -86,13 +87,6 @@ def shard_name(index: int) -> str:
 def sample_key(index: int) -> str:
     """WebDataset key of global sample `index`: `000000042`."""
     return f"{index:09d}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a text file under a temporary name, then rename it into place (readers never see half a file)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- .npy members

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from models.checkpoint_identity import resolve_path
 from models.target import ImageTarget
 from models.transformers_decoder import process_device
 
@@ -32,9 +33,10 @@ def _load_toy(folder: Any = None, device: Any = None) -> ImageTarget:
 
 def _load_janus_pro_7b(path: str | None = None, dtype: object = None, device: object = None,
                        **kwargs: object) -> ImageTarget:  # fmt: skip
-    from models.janus import DEFAULT_HUB_ID, JanusTarget
+    from models.janus import JanusTarget
 
-    return JanusTarget.from_pretrained(path or DEFAULT_HUB_ID, dtype, device, **kwargs)  # type: ignore[arg-type]
+    path = resolve_path("janus-pro-7b", path)  # None: $JANUS_PRO_PATH, else the hub id
+    return JanusTarget.from_pretrained(path, dtype, device, **kwargs)  # type: ignore[arg-type]
 
 
 def _load_llamagen_xl(gpt_checkpoint: str | None = None, vq_checkpoint: str | None = None, t5_path: str | None = None,
@@ -47,9 +49,10 @@ def _load_llamagen_xl(gpt_checkpoint: str | None = None, vq_checkpoint: str | No
 
 def _load_lumina_mgpt_7b(path: str | None = None, dtype: object = None, device: object = None,
                          **kwargs: object) -> ImageTarget:  # fmt: skip
-    from models.lumina import DEFAULT_HUB_ID, LuminaTarget
+    from models.lumina import LuminaTarget
 
-    return LuminaTarget.from_pretrained(path or DEFAULT_HUB_ID, dtype, device, **kwargs)  # type: ignore[arg-type]
+    path = resolve_path("lumina-mgpt-7b", path)  # None: $LUMINA_MGPT_PATH, else the hub id
+    return LuminaTarget.from_pretrained(path, dtype, device, **kwargs)  # type: ignore[arg-type]
 
 
 TARGET_LOADERS: dict[str, Callable[..., ImageTarget]] = {
@@ -65,7 +68,8 @@ def load_target(name: str, **kwargs: object) -> ImageTarget:
 
     Without `device=` every target is built on the CPU.
 
-    toy: `folder=`, `device=`; janus-pro-7b: `path=` (local folder or hub id), `dtype=`, `device=` and
+    toy: `folder=`, `device=`; janus-pro-7b: `path=` (local folder or hub id; None = $JANUS_PRO_PATH, else the
+    hub id; lumina-mgpt-7b likewise with $LUMINA_MGPT_PATH), `dtype=`, `device=` and
     `JanusTarget` options (`max_prompt_tokens=`, ...); llamagen-xl: `gpt_checkpoint=`, `vq_checkpoint=`,
     `t5_path=`, `preset=` ("t2i-XL-stage1" / "t2i-XL-stage2"), `dtype=`, `device=`, `folder=` and
     `LlamaGenT2ITarget` options (`sampling=` "official" / "lantern", ...); unnamed files come from

@@ -171,3 +171,95 @@ def test_the_validator_and_the_reader_refuse_fifos_outside_links_and_bytes_past_
     assert "shard-000000.tar: is not a regular file" in message
     assert "shard-000001.tar: is a symbolic link to /dev/zero, outside the dataset folder" in message
     assert "shard-000002.tar: holds 10240 bytes past its end-of-archive marker" in message
+
+
+def test_a_copy_that_keeps_mtime_gets_a_new_inode_and_ctime_and_is_hashed_again(tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "ds"
+    write_dataset(folder, COUNTS)
+    assert len(verify_shards(folder, load_manifest(folder)).hashed) == 3
+    copy = Path(shutil.copytree(folder, tmp_path / "copy", copy_function=shutil.copy2))  # as cp -a / rsync -a
+    for name in ("shard-000000.tar", "shard-000001.tar"):
+        original, copied = (folder / name).stat(), (copy / name).stat()
+        assert copied.st_mtime_ns == original.st_mtime_ns and copied.st_size == original.st_size
+        assert copied.st_ino != original.st_ino
+    report = verify_shards(copy, load_manifest(copy))  # the stamp came along, but it describes other files
+    assert len(report.hashed) == 3 and not report.trusted and not report.failed
+    assert len(verify_shards(copy, load_manifest(copy)).trusted) == 3  # the copy's own stamp vouches now
+
+
+def test_shards_hash_on_several_threads_with_the_same_report(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, [2] * 6)
+    flip_feature_byte(folder / "shard-000004.tar", key="000000008")
+    serial = verify_shards(folder, manifest, workers=1)
+    (folder / STAMP_NAME).unlink()
+    threaded = verify_shards(folder, manifest, workers=4)
+    assert threaded.hashed == serial.hashed == [info.name for info in manifest.shards]  # manifest order
+    assert threaded.failed == serial.failed and list(threaded.failed) == ["shard-000004.tar"]
+    assert threaded.bytes_hashed == serial.bytes_hashed
+
+
+def test_split_by_size_deals_shards_into_near_equal_shares() -> None:
+    from data.verify import split_by_size
+
+    sizes = {"a": 9, "b": 5, "c": 4, "d": 3, "e": 3, "f": 1}
+    shares = split_by_size(list(sizes), sizes, 2)
+    assert sorted(name for share in shares for name in share) == sorted(sizes)
+    assert [sum(sizes[n] for n in share) for share in shares] == [13, 12]
+    assert split_by_size(["a"], sizes, 3) == [["a"], [], []]
+
+
+def test_processes_hash_their_shares_and_every_one_reports_every_failure(tmp_path: Path) -> None:
+    import threading
+
+    from data.verify import verify_shards_shared
+
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, [2] * 5)
+    flip_feature_byte(folder / "shard-000003.tar", key="000000006")
+    world, barrier, slots = 3, threading.Barrier(3), [None] * 3
+    hashed_by: dict[int, list[str]] = {}
+    reports: dict[int, object] = {}
+
+    def all_gather(rank: int, obj: object) -> list[object]:
+        barrier.wait()
+        slots[rank] = obj
+        barrier.wait()
+        gathered = list(slots)
+        barrier.wait()
+        if isinstance(obj, dict):
+            hashed_by[rank] = sorted(obj)
+        return gathered
+
+    def process(rank: int) -> None:
+        reports[rank] = verify_shards_shared(folder, manifest, rank, world, lambda obj: all_gather(rank, obj))
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(name for names in hashed_by.values() for name in names) == [i.name for i in manifest.shards]
+    assert all(len(names) <= 2 for names in hashed_by.values())  # 5 equal shards over 3 processes: 2, 2, 1
+    for report in reports.values():
+        assert list(report.failed) == ["shard-000003.tar"] and len(report.hashed) == 5  # type: ignore[attr-defined]
+    assert len(verify_shards(folder, load_manifest(folder)).trusted) == 4  # rank 0 wrote the stamp
+
+
+def test_the_stamp_is_written_through_the_one_write_atomic_with_host_and_pid_in_its_temporary_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import data.shards
+    import inference.decoding.files as files
+
+    assert data.shards.write_atomic is files.write_atomic  # one helper for the whole project
+    folder = tmp_path / "ds"
+    manifest = write_dataset(folder, COUNTS)
+    renamed: list[tuple[str, str]] = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append((str(src), str(dst))), replace(src, dst)))
+    verify_shards(folder, manifest)
+    temporary = [Path(src).name for src, dst in renamed if Path(dst).name == STAMP_NAME]
+    assert temporary == [f".{STAMP_NAME}.{files.host_name()}.{os.getpid()}.tmp"]
