@@ -8,6 +8,7 @@ complaint before these checks. Sample edits rewrite the shard with the manifest'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,32 @@ def test_a_sample_with_fewer_rows_than_num_tokens_is_named(tmp_path: Path) -> No
         stream_all(folder)
     with pytest.raises(DatasetError, match=where):
         validate_dataset(folder, progress=False)
+
+
+def test_a_manifest_renamed_to_another_target_is_refused_by_what_its_shards_hold(tmp_path: Path) -> None:
+    """The manifest's target block and field widths edited together to name a wider target: every check between
+    manifest and configuration agrees, and the shards' hidden width (8, the target that made them) refuses it."""
+    folder = dataset(tmp_path)
+    other = dataclasses.replace(IDENTITY, name="wider", hidden_size=16)
+
+    def rename(values: dict[str, Any]) -> None:
+        values["target"].update(name="wider", hidden_size=16)
+        values["fields"]["hidden"]["width"] = 16
+        values["fields"]["aux"]["width"] = 48
+
+    edit_manifest(folder, rename)
+    data = FeatureDataModule(DataConfig(train_dir=str(folder), batch_size=2), target=other)
+    data.setup("fit")  # manifest and configuration agree with each other
+    with pytest.raises(SampleError, match=r"shard-00000\d\.tar.*hidden.*width 8, the manifest says 16"):
+        list(data.train_dataloader())
+
+
+def test_a_manifest_claiming_a_smaller_vocabulary_is_refused_by_the_stored_token_ids(tmp_path: Path) -> None:
+    folder = dataset(tmp_path)
+    largest = max(int(t) for sample in stream_all(folder) for t in sample["tokens"].flatten())
+    other = dataclasses.replace(IDENTITY, name="fewer codes", image_vocab_size=largest)
+    edit_manifest(folder, lambda values: values["target"].update(name="fewer codes", image_vocab_size=largest))
+    data = FeatureDataModule(DataConfig(train_dir=str(folder), batch_size=2), target=other)
+    data.setup("fit")
+    with pytest.raises(SampleError, match=rf"token id\(s\) outside the image vocabulary 0\.\.{largest - 1}"):
+        list(data.train_dataloader())
