@@ -43,7 +43,7 @@ from models.eagle import EagleDraftModel, count_parameters, drafter_preset
 from models.registry import shared_target
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
-from training.online_features import fill_online_features
+from training.online_features import fill_step_features
 from training.vocab import build_vocab_map
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -225,7 +225,9 @@ class DrafterSystem(L.LightningModule):
         """Online features (`data.features: online`): the frozen target computes the batch's states from its tokens."""
         if isinstance(batch, dict) and batch.get("online_fields"):
             assert self.frozen_target is not None, "setup() loads the target"
-            batch = fill_online_features(self.frozen_target, batch)
+            training = self._trainer is not None and self.trainer.training  # the swap mask: compute()'s generator
+            generator = self._generator() if training else None
+            batch = fill_step_features(self.frozen_target, batch, self.objective, training, generator)
         return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
