@@ -14,7 +14,9 @@
    reads (`training.objective.uncond_samples_read`), in one cacheless causal pass. Its expectation
    over the swap draw is cond + uncond_rate x (all uncond rows), FLOPs being linear in rows; the mean
    over `--flop-steps` steps of the system's own generator is printed beside it. Every "after" pass is
-   checked against the old path's streams (largest |difference| / max |stream|).
+   checked against the old path's streams (largest |difference| / max |stream|). The last column times
+   the two passes over the same rows (every [cond; uncond] row; median of `--repeats`, interleaved): the
+   cacheless pass is kept where it is faster.
 2. Time to a dataset: the same extraction recipe (configs/extract_toy.yaml, `--extract-count`
    captions) run with `features: tokens` and with `features: full`, alternately, into fresh folders.
 3. Training: the demo's drafter, objective, optimizer and batch size (configs/demo.yaml) under a real
@@ -79,6 +81,8 @@ class FlopRow:
     measured: float  # mean over the system generator's steps
     uncond_rows: float  # mean unconditional rows per step, measured
     worst_difference: float  # largest |after - before| / max |before| over every stream and step
+    seconds_before: float  # median wall time of the old forward
+    seconds_after: float  # median wall time of the cacheless forward over the same rows ([cond; uncond], every row)
 
 
 def count_flops(function: Any) -> tuple[float, Any]:
@@ -100,8 +104,9 @@ def stream_difference(after: TeacherForcedStates, before: TeacherForcedStates, s
     return worst
 
 
-def flop_row(name: str, steps: int) -> FlopRow:
-    """Target FLOPs per online step of the bench target `name` with its config's recipe and batch."""
+def flop_row(name: str, steps: int, repeats: int) -> FlopRow:
+    """Target FLOPs per online step of the bench target `name` with its config's recipe and batch, and the
+    median time of `repeats` forwards over every row, decode path against the cacheless pass."""
     target_name, config_name = FLOP_TARGETS[name]
     config = yaml.safe_load(resolve_config_path(config_name).read_text())
     objective = ObjectiveConfig(**config["model"]["objective"])
@@ -133,22 +138,32 @@ def flop_row(name: str, steps: int) -> FlopRow:
         measured.append(flops)
         rows.append(int(read.sum()))
         worst = max(worst, stream_difference(after, before, read.nonzero().squeeze(1)))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):  # interleaved, so that a change of load hits both
+        for cache in (True, False):
+            start = time.perf_counter()
+            teacher_forced_states(target, prompts, tokens, aux=aux, uncond=True, decode_cache=cache)
+            times[cache].append(time.perf_counter() - start)
     recipe = f"cfg_loss_weight {objective.cfg_loss_weight:g}" if objective.cfg_loss_weight else (
         f"uncond_rate {objective.uncond_rate:g}")  # fmt: skip
     return FlopRow(name, recipe, batch, before_flops, expected, statistics.mean(measured), statistics.mean(rows),
-                   worst)  # fmt: skip
+                   worst, statistics.median(times[True]), statistics.median(times[False]))  # fmt: skip
 
 
 def print_flops(rows: list[FlopRow], steps: int) -> None:
     print(f"\ntarget FLOPs per online step (forward of the target only; 'measured': mean over {steps} steps' swap "
           "draws):")  # fmt: skip
-    print("| target | recipe | B | before (decode path, all rows) | after, expected | after / before | "
-          "after, measured | uncond rows per step | max stream difference |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| target | recipe | B | before (decode path, all rows) | after, expected | after / before | "
+        "after, measured | uncond rows per step | max stream difference | all rows: decode path / cacheless |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row.name} | {row.recipe} | {row.batch} | {row.before / 1e6:.2f} MFLOP | {row.expected / 1e6:.2f} "
-              f"MFLOP | {row.expected / row.before:.3f} | {row.measured / 1e6:.2f} MFLOP | {row.uncond_rows:.2f} | "
-              f"{row.worst_difference:.1e} |")  # fmt: skip
+        print(
+            f"| {row.name} | {row.recipe} | {row.batch} | {row.before / 1e6:.2f} MFLOP | {row.expected / 1e6:.2f} "
+            f"MFLOP | {row.expected / row.before:.3f} | {row.measured / 1e6:.2f} MFLOP | {row.uncond_rows:.2f} | "
+            f"{row.worst_difference:.1e} | {row.seconds_before * 1e3:.1f} / {row.seconds_after * 1e3:.1f} ms |"
+        )
 
 
 def extract_seconds(count: int, features: str, folder: Path) -> tuple[float, int]:
@@ -203,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--flop-steps", type=int, default=20, help="steps whose swap draws the FLOPs average")
+    parser.add_argument("--repeats", type=int, default=7, help="timed target forwards per path in the FLOPs part")
     parser.add_argument("--steps", type=int, default=30, help="training steps per fit (the first --warmup untimed)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternations offline -> online before -> online")
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads")
 
     if "flops" in parts:
-        print_flops([flop_row(name, args.flop_steps) for name in FLOP_TARGETS], args.flop_steps)
+        print_flops([flop_row(name, args.flop_steps, args.repeats) for name in FLOP_TARGETS], args.flop_steps)
     if "extract" not in parts and "steps" not in parts:
         return 0
     scratch = Path(tempfile.mkdtemp(prefix="bench_online-"))
