@@ -36,6 +36,8 @@ def cosine(a: Tensor, b: Tensor | None = None, *, centred: bool = False, pairwis
     with torch.autocast(a.device.type, enabled=False):
         unit_a = _unit(a, centred)
         unit_b = unit_a if b is None else _unit(b, centred)
+        if pairwise and unit_a.dim() == unit_b.dim() == 3:  # (B, N, D): one bmm, no matmul reshapes
+            return torch.bmm(unit_a, unit_b.transpose(1, 2))
         if pairwise:
             return unit_a @ unit_b.transpose(-1, -2)
         return (unit_a * unit_b).sum(-1)
