@@ -312,7 +312,7 @@ class LlamaGenT2ITarget(DecoderTarget):
     def allocate_cache(self, rows: int, capacity: int) -> KVCache:
         return self.gpt.allocate_cache(rows, capacity)
 
-    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache | None, tree_mask: Tensor | None,
                     new_valid: Tensor | None, return_aux: bool,
                     logits_at: Tensor | None = None) -> TargetOutput:  # fmt: skip
         hidden, aux = self.gpt(inputs, positions, cache, tree_mask, new_valid, return_aux)

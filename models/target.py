@@ -288,14 +288,17 @@ class DecoderTarget(ImageTarget):
         self,
         inputs: Tensor,
         positions: Tensor,
-        cache: KVCache,
+        cache: KVCache | None,
         tree_mask: Tensor | None,
         new_valid: Tensor | None,
         return_aux: bool,
         logits_at: Tensor | None = None,
     ) -> TargetOutput:
         """Run (R, T, D) input embeddings over the cache; new_valid (R, T) marks padding (None = all valid);
-        logits only at `logits_at` (T',) when given (`forward`). Implementations end in `output`."""
+        logits only at `logits_at` (T',) when given (`forward`). Implementations end in `output`.
+
+        cache None: the T inputs are the whole sequence, no KV cache is read or written (teacher forcing's
+        one causal pass, `teacher_forced_states`)."""
 
     def output(self, hidden: Tensor, aux: Tensor | None, logits_at: Tensor | None) -> TargetOutput:
         """The `TargetOutput` of a decoder pass: hidden (R, T, D) -> the head's logits at `logits_at` (or all T)."""
@@ -321,49 +324,128 @@ class TeacherForcedStates:
         return {name: value for name, value in named.items() if value is not None}
 
 
+def select_rows(conditioning: Conditioning, rows: Tensor) -> Conditioning:
+    """The prefix of the given rows of `conditioning` only: rows (R',) int64 indices into its R rows.
+
+    `num_prompts` and `cfg` stay as they were (they describe how the rows were built, not how many are kept).
+    """
+    positions = conditioning.positions if conditioning.positions.dim() == 1 else conditioning.positions[rows]
+    return Conditioning(conditioning.inputs_embeds[rows], conditioning.valid[rows], positions,
+                        conditioning.num_prompts, conditioning.cfg)  # fmt: skip
+
+
+def _uncond_samples(uncond: bool | Tensor, num_prompts: int, device: torch.device) -> Tensor:
+    """(S,) int64 the samples whose unconditional rows are computed: all (True), none (False) or those of a mask."""
+    if isinstance(uncond, bool):
+        return torch.arange(num_prompts if uncond else 0, device=device)
+    if uncond.shape != (num_prompts,) or uncond.dtype != torch.bool:
+        raise ValueError(
+            f"teacher_forced_states: uncond must be a bool or a ({num_prompts},) bool mask of the samples whose "
+            f"unconditional states are wanted, got {tuple(uncond.shape)} {uncond.dtype}"
+        )
+    return uncond.to(device).nonzero().squeeze(1)
+
+
 @torch.no_grad()
 def teacher_forced_states(
-    target: ImageTarget, prompts: list[str], tokens: Tensor, aux: bool = True, uncond: bool = False
+    target: ImageTarget,
+    prompts: list[str],
+    tokens: Tensor,
+    aux: bool = True,
+    uncond: bool | Tensor = False,
+    decode_cache: bool = False,
 ) -> TeacherForcedStates:
-    """One teacher-forced pass of `target` over sampled image tokens: prefill, then every token but the last at once.
+    """One teacher-forced pass of `target` over sampled image tokens: the states that predicted every token.
 
     The state at image position j depends only on the prompt and tokens 0..j-1, so this reproduces the
     states the sampler saw while it generated `tokens`, row for row, whatever else is in the batch
     (the conditioning of a row never depends on the other rows). Extraction stores them; online
     training (`data.features: online`) recomputes them from token-only shards.
 
+    Rows: the B conditional rows, then the unconditional rows of the samples `uncond` names only (a CFG
+    batch's [cond; uncond] layout when it names every sample), so a step that reads the unconditional
+    branch of a few samples pays for those rows alone.
+
+    The pass: a `DecoderTarget` runs [prefix; tokens 0..L-2] as one causal sequence without a KV cache
+    (the prefix's padding slots masked as the cache would mask them), the decode path's attention pattern
+    in one call, with no cache to allocate or write. `decode_cache=True` (and any other target) takes the
+    decode path instead: prefill into a KV cache, then every token but the last at once over it.
+
     Args:
         target: the frozen target.
         prompts: B prompt texts, as the target's `condition` consumes them.
         tokens: (B, L) int64 image tokens, L <= G; padding past a sample's length changes none of its states.
         aux: also return the EAGLE-3 auxiliary streams.
-        uncond: also return the unconditional (CFG) rows' states, from [cond; uncond] rows in one pass.
+        uncond: also return unconditional (CFG) rows' states: True for every sample, False for none, or a (B,)
+            bool mask of the samples whose unconditional states are wanted.
+        decode_cache: run prefill + forward over a KV cache (the sampler's path) instead of the cacheless pass.
 
     Returns:
-        The states in the target's dtype, on its device (no logits: the head runs on no row).
+        The states in the target's dtype, on its device (no logits: the head runs on no row). uncond_hidden
+        and uncond_aux hold S rows, the samples `uncond` names in order (S = B for True).
     """
     num_prompts, length = tokens.shape
     if len(prompts) != num_prompts:
         raise ValueError(f"{len(prompts)} prompts for {num_prompts} rows of image tokens")
-    conditioning = target.condition(prompts, cfg=uncond)
-    cache = target.allocate_cache(conditioning.rows, target.prefix_length + length)
+    device = target.device
+    samples = _uncond_samples(uncond, num_prompts, device)  # (S,)
+    with_uncond = isinstance(uncond, Tensor) or bool(uncond)
+    conditioning = target.condition(prompts, cfg=with_uncond)
+    if with_uncond and samples.numel() < num_prompts:
+        conditioning = select_rows(conditioning, torch.cat([torch.arange(num_prompts, device=device),
+                                                            num_prompts + samples]))  # fmt: skip
+    rows = torch.cat([tokens, tokens[samples.to(tokens.device)]]) if with_uncond else tokens  # (R, L)
+    rows = rows[:, :-1].to(device)  # (R, L-1): the tokens every state but the first reads
+    if decode_cache or not isinstance(target, DecoderTarget):
+        states, stacked = _decode_cache_pass(target, conditioning, rows, aux)
+    else:
+        states, stacked = _causal_pass(target, conditioning, rows, aux)
+    if aux and stacked is None:
+        raise ValueError(f"target {target.name!r} returned no auxiliary streams; ask for aux=False")
+    cond = slice(0, num_prompts)
+    out = TeacherForcedStates(hidden=states[cond], aux=None if stacked is None else stacked[cond])
+    if with_uncond:
+        out.uncond_hidden = states[num_prompts:]
+        out.uncond_aux = None if stacked is None else stacked[num_prompts:]
+    return out
+
+
+def _decode_cache_pass(
+    target: ImageTarget, conditioning: Conditioning, rows: Tensor, aux: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Prefill the prefix into a KV cache, then run rows (R, L-1) over it: hidden (R, L, D), aux (R, L, 3D)."""
+    length = rows.shape[1] + 1
+    cache = target.allocate_cache(conditioning.rows, conditioning.inputs_embeds.shape[1] + length)
     first = target.prefill(conditioning, cache, return_aux=aux)  # its last slot predicts token 0
     hidden, streams = [first.hidden[:, -1:]], [first.aux[:, -1:]] if aux and first.aux is not None else []
     if length > 1:
-        rows = tokens[:, :-1].to(target.device).repeat(2 if uncond else 1, 1)  # (R, L-1): both halves alike
         positions = target.image_positions(torch.arange(length - 1, device=target.device))
         no_logits = torch.zeros(0, dtype=torch.long, device=target.device)
         rest = target.forward(rows, positions, cache, return_aux=aux, logits_at=no_logits)  # hidden (R, L-1, D)
         hidden.append(rest.hidden)
         if aux and rest.aux is not None:
             streams.append(rest.aux)
-    if aux and not streams:
-        raise ValueError(f"target {target.name!r} returned no auxiliary streams; ask for aux=False")
-    states = torch.cat(hidden, dim=1)  # (R, L, D)
-    stacked = torch.cat(streams, dim=1) if aux else None  # (R, L, 3D)
-    cond = slice(0, num_prompts)
-    out = TeacherForcedStates(hidden=states[cond], aux=None if stacked is None else stacked[cond])
-    if uncond:
-        out.uncond_hidden = states[num_prompts:]
-        out.uncond_aux = None if stacked is None else stacked[num_prompts:]
-    return out
+    return torch.cat(hidden, dim=1), torch.cat(streams, dim=1) if aux and streams else None
+
+
+def _causal_pass(
+    target: DecoderTarget, conditioning: Conditioning, rows: Tensor, aux: bool
+) -> tuple[Tensor, Tensor | None]:
+    """[prefix; rows] (R, C + L - 1) as one causal sequence, no cache: hidden (R, L, D), aux (R, L, 3D).
+
+    Slot i attends to slot k <= i where k is a valid prefix slot or an image token, and always to itself:
+    the mask prefill and forward build over the cache (`build_attention_mask`), so the states are the same.
+    """
+    prefix = conditioning.inputs_embeds.shape[1]  # C
+    count, steps = rows.shape  # R, L-1
+    image_positions = target.image_positions(torch.arange(steps, device=rows.device))  # (L-1,)
+    positions = conditioning.positions
+    if positions.dim() == 2:
+        image_positions = image_positions.expand(count, steps)
+    positions = torch.cat([positions, image_positions], dim=-1)  # (C + L - 1,) or (R, C + L - 1)
+    inputs = torch.cat([conditioning.inputs_embeds, target.embed_image_tokens(rows)], dim=1)  # (R, C + L - 1, D)
+    valid = torch.cat([conditioning.valid, torch.ones_like(rows, dtype=torch.bool)], dim=1)
+    no_logits = torch.zeros(0, dtype=torch.long, device=rows.device)
+    out = target.run_decoder(inputs, positions, None, None, valid, aux, no_logits)
+    states = slice(prefix - 1, None)  # the last prefix slot predicts token 0
+    return out.hidden[:, states], None if out.aux is None else out.aux[:, states]

@@ -56,7 +56,7 @@ def run_decoder_layers(
     language_model: DecoderStack,
     inputs: Tensor,
     positions: Tensor,
-    cache: KVCache,
+    cache: KVCache | None,
     tree_mask: Tensor | None,
     new_valid: Tensor | None,
     num_layers: int,
@@ -66,6 +66,8 @@ def run_decoder_layers(
 
     Args:
         inputs: (R, T, D) input embeddings; positions: (T,) or (R, T) position ids.
+        cache: the KV cache the new keys/values are written to and read with; None = the inputs are the whole
+            sequence (no cache read or written).
         tree_mask: (T, T) or (R, T, T) bool among the new tokens, None = causal.
         new_valid: (R, T) bool, False for padding; None = all valid.
         aux_layer_ids: residual streams to return (index i = input of layer i, transformers'
@@ -83,7 +85,7 @@ def run_decoder_layers(
     mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=inputs.device)
     mask = mask.masked_fill(~allowed, torch.finfo(inputs.dtype).min)[:, None]  # (R, 1, T, S) additive
     position_embeddings = language_model.rotary_emb(inputs, position_ids=positions)
-    writer = KVCacheWriter(cache)
+    writer = None if cache is None else KVCacheWriter(cache)
     streams: dict[int, Tensor] = {}
     x = inputs
     for index, layer in enumerate(language_model.layers[:num_layers]):
@@ -92,7 +94,8 @@ def run_decoder_layers(
         out = layer(x, attention_mask=mask, position_ids=positions, cache=writer,
                     position_embeddings=position_embeddings)  # fmt: skip
         x = out[0] if isinstance(out, tuple) else out  # Chameleon layers return (hidden_states,)
-    cache.advance(new_valid)
+    if cache is not None:
+        cache.advance(new_valid)
     hidden = language_model.norm(x)
     streams[num_layers] = hidden  # transformers' hidden_states[L] is the post-norm output
     aux = torch.cat([streams[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
@@ -152,7 +155,7 @@ class TransformersDecoderTarget(DecoderTarget):
             self.num_layers, rows, self.num_kv_heads, capacity, self.head_dim, dtype=weight.dtype, device=weight.device
         )
 
-    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None,
+    def run_decoder(self, inputs: Tensor, positions: Tensor, cache: KVCache | None, tree_mask: Tensor | None,
                     new_valid: Tensor | None, return_aux: bool,
                     logits_at: Tensor | None = None) -> TargetOutput:  # fmt: skip
         aux_ids = self._aux_layer_ids if return_aux else ()

@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
+from inference.decoding.similarity import cosine
 from models.eagle import EagleDraftModel, drafter_preset
 from training.losses import (
     convergence_weights,
     convergent_positions,
     feature_regression_loss,
+    later_similarity,
     simulated_acceptance_length,
     soft_cross_entropy,
     step_weights,
@@ -131,6 +133,59 @@ def test_reweighting_changes_only_the_soft_ce():
     assert weighted.ce[0] > plain.ce[0]
     assert weighted.accuracy[0] == plain.accuracy[0]
     assert weighted.convergent_fraction > 0 and plain.convergent_fraction == 0
+
+
+def slightly_different_pair(seed: int = 0, width: int = 256, scale: float = 0.05) -> torch.Tensor:
+    """(2, D) two vectors whose cosine is about 0.9987: where bfloat16 (steps of 2^-8 near 1) rounds it off."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(width, generator=generator)
+    return torch.stack([a, a + scale * torch.randn(width, generator=generator)])
+
+
+def old_matmul_cosine(features: torch.Tensor, centred: bool) -> torch.Tensor:
+    """The cosine as it was computed before the one helper: float32 unit vectors, then a matmul (autocast applies)."""
+    states = features.float()
+    states = states - states.mean(-1, keepdim=True) if centred else states
+    unit = torch.nn.functional.normalize(states, dim=-1)
+    return unit @ unit.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_cosine_is_float32_under_bf16_autocast_where_a_matmul_is_not(centred: bool):
+    """Every cosine that decides a region or a relaxation goes through `cosine`: under bf16 autocast it still
+    matches the float64 value to 1e-6, where the old matmul of unit vectors was rounded to bfloat16."""
+    pair = slightly_different_pair()
+    a, b = pair.double()
+    if centred:
+        a, b = a - a.mean(), b - b.mean()
+    exact = float(a @ b / (a.norm() * b.norm()))
+    assert 0.99 < exact < 0.9995
+    with torch.autocast("cpu", torch.bfloat16):
+        pairwise = cosine(pair[None], centred=centred, pairwise=True)  # (1, 2, 2)
+        matched = cosine(pair[0], pair[1], centred=centred)
+        old = old_matmul_cosine(pair[None], centred)
+    assert pairwise.dtype == matched.dtype == torch.float32
+    assert abs(float(pairwise[0, 0, 1]) - exact) < 1e-6 and abs(float(matched) - exact) < 1e-6
+    assert abs(float(old[0, 0, 1]) - exact) > 1e-4  # the old computation fails the same check
+    assert cosine(pair.double(), pairwise=True).dtype == torch.float64  # float64 stays float64
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_the_convergence_region_under_bf16_autocast_is_the_float32_region(centred: bool):
+    """later_similarity / convergent_positions (training's region) under bf16 autocast: cosines to 1e-6 of the
+    float32 ones, so a threshold between the cosine and its bfloat16 rounding decides as in float32."""
+    features = slightly_different_pair(seed=1)[None]  # (1, 2, D)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    reference = later_similarity(features, mask, centred)
+    with torch.autocast("cpu", torch.bfloat16):
+        similarity = later_similarity(features, mask, centred)
+        rounded = float(old_matmul_cosine(features, centred)[0, 0, 1])
+        tau = (float(reference[0, 0]) + rounded) / 2  # between the true cosine and the old bf16 one
+        flagged = convergent_positions(features, mask, tau, centred)
+    assert similarity.dtype == torch.float32
+    assert abs(float(similarity[0, 0]) - float(reference[0, 0])) < 1e-6
+    assert rounded != pytest.approx(float(reference[0, 0]), abs=1e-4)  # bf16 moved the old cosine
+    assert flagged.tolist() == [[float(reference[0, 0]) > tau, False]]
 
 
 def test_centred_convergence_ignores_a_shared_offset():

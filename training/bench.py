@@ -140,11 +140,6 @@ class TrainingBatchTimer(Callback):
             self.losses.append(float(outputs["loss"]))
 
 
-StepTimer = TrainingBatchTimer
-"""The old name, kept only for training/bench_online.py and tests/test_training_online.py, which another change is
-editing: switch them to TrainingBatchTimer, then delete this line."""
-
-
 @dataclass
 class Samples:
     """Timed seconds per step of one side, pooled over rounds."""

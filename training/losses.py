@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.decoding.similarity import cosine
+
 
 def masked_mean_denominator(mask: Tensor) -> Tensor:
     """The number of counted positions, at least 1: (B, L) bool -> () float."""
@@ -50,14 +52,11 @@ def later_pairs(mask: Tensor) -> Tensor:
 def later_similarity(features: Tensor, mask: Tensor, centred: bool = False) -> Tensor:
     """(B, L): each position's largest cosine with a later counted position (-2, below any cosine, where none).
 
-    features (B, L, D) are compared in at least float32 (float64 stays float64); centred: the mean-centred cosine
-    (each vector minus its own mean over D, as CASCADE's decoder compares states) instead of the raw one.
+    features (B, L, D) are compared by `inference.decoding.similarity.cosine`: in float32 (float64 stays float64)
+    whatever autocast is active; centred: the mean-centred cosine (each vector minus its own mean over D, as
+    CASCADE's decoder compares states) instead of the raw one.
     """
-    states = features.to(torch.promote_types(features.dtype, torch.float32))
-    if centred:
-        states = states - states.mean(-1, keepdim=True)
-    unit = F.normalize(states, dim=-1)
-    similarity = unit @ unit.transpose(1, 2)  # (B, L, L)
+    similarity = cosine(features, centred=centred, pairwise=True)  # (B, L, L)
     return similarity.masked_fill(~later_pairs(mask), -2.0).amax(-1)
 
 

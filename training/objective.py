@@ -154,6 +154,34 @@ def convergence_stream(batch: dict, field: str, source: str, device: torch.devic
     return aux[..., stream * width : (stream + 1) * width]
 
 
+def draw_uncond_swap(config: ObjectiveConfig, batch_size: int, generator: torch.Generator | None) -> Tensor | None:
+    """(B,) bool on the generator's device: the samples a training step trains on their unconditional branch
+    (each with probability `uncond_rate`); None when uncond_rate is 0.
+
+    The first draw of a training step's generator, wherever it is made: `DrafterSystem` draws it before the
+    online target forward (to compute only those samples' unconditional rows, passed on as
+    `batch["uncond_swap"]`), and `drafter_objective` draws it again from the same seeded generator, so the
+    draws after it (the input noise) are the same whether the mask came in the batch or not.
+    """
+    if config.uncond_rate <= 0:
+        return None
+    draw = torch.rand(batch_size, generator=generator, device=generator.device if generator else None)
+    return draw < config.uncond_rate
+
+
+def uncond_samples_read(config: ObjectiveConfig, batch_size: int, training: bool, swap: Tensor | None) -> Tensor:
+    """(B,) bool: the samples whose unconditional states `drafter_objective` reads, given the step's swap mask.
+
+    Every sample when both branches run (cfg_loss_weight > 0, or evaluation); in a training step with
+    uncond_rate > 0, the swapped ones (`swap`, from `draw_uncond_swap`); otherwise none.
+    """
+    if config.cfg_loss_weight > 0 or not training:
+        return torch.ones(batch_size, dtype=torch.bool)
+    if swap is not None:
+        return swap
+    return torch.zeros(batch_size, dtype=torch.bool)
+
+
 def drafter_objective(
     model: EagleDraftModel,
     target: ImageTarget,
@@ -167,7 +195,9 @@ def drafter_objective(
 
     Args:
         model: the drafter; target: its frozen target (embedding, image head, positions).
-        batch: a FeatureDataModule batch (tokens, hidden, aux, uncond_*, loss_mask).
+        batch: a FeatureDataModule batch (tokens, hidden, aux, uncond_*, loss_mask); optionally uncond_swap (B,)
+            bool, the samples trained on their unconditional branch, drawn before the batch's online forward
+            (`draw_uncond_swap`); without it the objective draws the mask itself.
         training: unroll `ttt_steps` with noise and uncond sampling; otherwise unroll
             max(ttt_steps, eval_steps) steps, clean, on both branches when available.
         generator: randomness of the noise and the branch choice (seeded per step for exact resume).
@@ -197,8 +227,9 @@ def drafter_objective(
         if region is not None:
             region = torch.cat([region, convergence_stream(batch, "uncond_aux", source, device)])
     elif training and config.uncond_rate > 0:
-        swap = torch.rand(batch_size, generator=generator, device=generator.device if generator else None)
-        swap = (swap < config.uncond_rate).to(device)[:, None, None]
+        drawn = draw_uncond_swap(config, batch_size, generator)  # drawn even when given: the noise draws follow it
+        assert drawn is not None  # uncond_rate > 0
+        swap = batch.get("uncond_swap", drawn).to(device)[:, None, None]
         features = torch.where(swap, batch[uncond_key].to(device), features)
         hidden = torch.where(swap, batch["uncond_hidden"].to(device), hidden)
         if region is not None:

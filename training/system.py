@@ -48,7 +48,7 @@ from models.eagle import EagleDraftModel, count_parameters, drafter_preset
 from models.registry import shared_target, target_device
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, ObjectiveOutput, drafter_objective
-from training.online_features import fill_online_features
+from training.online_features import fill_step_features
 from training.vocab import build_vocab_map
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -240,6 +240,11 @@ class DrafterSystem(L.LightningModule):
         accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self._trainer is not None else 1
         return batch_idx % max(1, int(accumulate))
 
+    def _transferred_micro_batch(self) -> int:
+        """The micro-batch index of the training batch being moved to the device: Lightning transfers it before
+        counting it, so its `training_step` will see batch_idx = the epoch loop's batch_idx + 1."""
+        return self._micro_batch(self.trainer.fit_loop.epoch_loop.batch_idx + 1)
+
     def compute(self, batch: dict[str, Any], training: bool, micro_batch: int = 0) -> ObjectiveOutput:
         assert self.frozen_target is not None, "setup() loads the target"
         generator = self._generator(micro_batch) if training else None
@@ -251,7 +256,9 @@ class DrafterSystem(L.LightningModule):
         """Online features (`data.features: online`): the frozen target computes the batch's states from its tokens."""
         if isinstance(batch, dict) and batch.get("online_fields"):
             assert self.frozen_target is not None, "setup() loads the target"
-            batch = fill_online_features(self.frozen_target, batch)
+            training = self._trainer is not None and self.trainer.training  # the swap mask: compute()'s generator
+            generator = self._generator(self._transferred_micro_batch()) if training else None
+            batch = fill_step_features(self.frozen_target, batch, self.objective, training, generator)
         return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from inference.decoding.files import write_json
 from inference.decoding.rules import REPRESENTATIONS, CascadeRule
-from inference.decoding.similarity import centred_unit
+from inference.decoding.similarity import cosine
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.decoding.tree import Tree
 from inference.decoding.verify import TargetView, Verdict
@@ -46,15 +46,14 @@ class SimilarityRecorder(DecodeHooks):
     def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
         if view.features is None:
             raise ValueError("similarity recording needs the target view's features (decode with a CascadeRule)")
-        feats = centred_unit(view.features)  # (B, N, D): cosines become dot products, as in CascadeRule.prepare
+        cosines = cosine(view.features, centred=True, pairwise=True)  # (B, N, N), as in CascadeRule.prepare
         parents = tree.parents  # (B, N)
         has_parent = parents >= 0
-        rows = torch.arange(parents.shape[0], device=parents.device)[:, None]
-        to_parent = (feats * feats[rows, parents.clamp_min(0)]).sum(-1)  # (B, N)
+        to_parent = cosines.gather(2, parents.clamp_min(0)[..., None]).squeeze(2)  # (B, N)
         self.parent.append(to_parent[has_parent].cpu())
         same = (parents[:, :, None] == parents[:, None, :]) & has_parent[:, :, None]  # (B, N, N)
         same &= torch.ones_like(same[0]).triu(1)  # each pair once
-        self.sibling.append((feats @ feats.transpose(1, 2))[same].cpu())
+        self.sibling.append(cosines[same].cpu())
 
 
 def calibrate(target: Any, drafter: Any, prompts: list[str], config: DecoderConfig | None = None,

@@ -22,6 +22,7 @@ from inference.decoding.rule_inputs import (
     exact_residual,
     pack_slots,
 )
+from inference.decoding.similarity import cosine
 from inference.decoding.tree import Tree, strictly_lower
 
 
@@ -58,13 +59,11 @@ def dev_pairs(tree: Tree, threshold: float, shifted: bool) -> Tensor:
     """
     depths = tree.depths  # (B, N)
     drafted = tree.children[..., 0] >= 0  # (B, N) the node has children: the drafter has a row there
-    q = tree.q_full.float()  # (B, N, V)
-    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    cosine = q @ q.transpose(-1, -2)  # (B, N, N)
+    similarity = cosine(tree.q_full, pairwise=True)  # (B, N, N)
     rise = depths[:, :, None] - depths[:, None, :]  # (B, N, N) [n, m]: how much deeper n is than m
     before = (rise == 0) & strictly_lower(tree.num_nodes, depths.device)  # m at n's depth, earlier in node order
     rows = drafted[:, :, None] & drafted[:, None, :] & (before | before.transpose(-1, -2))  # distinct, one depth
-    pairs = ((cosine > threshold) & rows).float()  # (B, N, N) [w, v]
+    pairs = ((similarity > threshold) & rows).float()  # (B, N, N) [w, v]
     if not shifted:
         return pairs
     position = (rise > 0).sum(-1) + before.sum(-1)  # (B, N) depth-major

@@ -45,7 +45,7 @@ from inference.decoding.rule_inputs import (
     exact_acceptance,
     exact_residual,
 )
-from inference.decoding.similarity import centred_unit, kl_divergence
+from inference.decoding.similarity import cosine, kl_divergence
 from inference.decoding.tree import strictly_lower
 
 __all__ = [
@@ -175,17 +175,15 @@ class CascadeRule:
             raise ValueError("the cascade rule needs TargetView.features (see speculative.build_target_view)")
         tree, children, usable, tables = inputs.tree, inputs.children, inputs.usable, inputs.tables
         width = children.shape[-1]
-        feats = centred_unit(inputs.features)  # (B, N, D): cosines become dot products
-        cosines = torch.bmm(feats, feats.transpose(1, 2))  # (B, N, N) every pair of nodes, one matmul
+        cosines = cosine(inputs.features, centred=True, pairwise=True)  # (B, N, N) every pair of nodes, float32
         # each slot against its siblings (itself included), then against its parent: one gather off the table
         sims = cosines.flatten(1).gather(1, tables.similarity_index).view(*children.shape, width + 1)
         sibling_sim, to_parent = sims[..., :width], sims[..., width]  # (B, I, K, K): sim(F[x], F[m]), (B, I, K)
         if self.conv_mode == "sibling":
             converged = to_parent >= self.tau_seq  # sim(F[x], F[u])
         else:
-            rows = tables.rows[:, None]
             grand = tree.parents.clamp_min(0)  # (B, N)
-            up = (feats * feats[rows, grand]).sum(-1)  # (B, N): sim(F[u], F[parent(u)])
+            up = cosines.gather(2, grand[..., None]).squeeze(2)  # (B, N): sim(F[u], F[parent(u)])
             converged = inputs.at_parents((tree.parents >= 0) & (up >= self.tau_seq))[..., None].expand(-1, -1, width)
         if self.kl_gate is not None:  # target distributions at every node (`needs_every_node`)
             kid = tables.child_index.view_as(children)  # (B, I, K), padding at node 0

@@ -72,7 +72,7 @@ from inference.decoding.rules import (
     Rule,
     needs_every_node,
 )
-from inference.decoding.similarity import centred_cosine, kl_divergence
+from inference.decoding.similarity import cosine, kl_divergence
 from inference.decoding.tree import Tree, select, strictly_lower
 
 __all__ = [
@@ -87,7 +87,7 @@ __all__ = [
     "Uniforms",
     "Verdict",
     "build_latent_neighbours",
-    "centred_cosine",
+    "cosine",
     "draw_probabilities",
     "kl_divergence",
     "normalise_or_uniform",

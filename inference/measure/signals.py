@@ -26,9 +26,9 @@ Labels, from the target's own image decoder (the ground truth no real target giv
 
 Signals, each a similarity of the two nodes (higher = more alike), scored by ROC AUC against each label:
 the target state after each node's token at every layer EAGLE-3 reads (low, mid, high) and the last
-post-norm hidden state CASCADE uses, each as a raw cosine, a per-vector mean-centred cosine (CASCADE's
-`centred_cosine`), a cosine after subtracting the mean state of the run's nodes, and a cosine after
-whitening with the run's covariance; the cosine of the target's softmaxed guided logits (the CASCADE
+post-norm hidden state CASCADE uses, each as a raw cosine, a per-vector mean-centred cosine (CASCADE's,
+`inference.decoding.similarity.cosine`), a cosine after subtracting the mean state of the run's nodes, and a
+cosine after whitening with the run's covariance; the cosine of the target's softmaxed guided logits (the CASCADE
 authors' Lumina development file) and of the raw guided logits (their LlamaGen file: normalised logits);
 minus the distance of the two tokens' latent codes (LANTERN's proximity, `target.latent_table()`); and
 the cosine of the drafter's distributions q at the two nodes, where both were drafted from.
@@ -57,6 +57,7 @@ from tqdm import tqdm
 from inference.decoding.files import write_atomic, write_json
 from inference.decoding.rules import ExactRule
 from inference.decoding.sampling import processed_distribution
+from inference.decoding.similarity import cosine
 from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_speculative
 from inference.decoding.tree import Tree
 from inference.decoding.verify import TargetView, Verdict
@@ -93,10 +94,9 @@ class TreeRecorder(DecodeHooks):
     def on_verify(self, tree: Tree, view: TargetView, verdict: Verdict) -> None:
         if tree.tokens.shape[0] != 1:
             raise ValueError("the signal recorder follows one prompt at a time (batch of 1)")
-        q = tree.q_full[0].float()  # (N, V)
+        q = tree.q_full[0]  # (N, V)
         drafted = q.sum(-1) > 0  # (N,)
-        unit = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        cosine = (unit @ unit.T).masked_fill(~(drafted[:, None] & drafted[None, :]), float("nan"))
+        similarity = cosine(q, pairwise=True).masked_fill(~(drafted[:, None] & drafted[None, :]), float("nan"))
         parents = tree.parents[0].cpu()
         on_path = torch.zeros_like(parents, dtype=torch.bool)
         node = int(verdict.last_node[0])
@@ -104,7 +104,7 @@ class TreeRecorder(DecodeHooks):
             on_path[node] = True
             node = int(parents[node])
         self.trees.append(
-            RecordedTree(tree.tokens[0].cpu(), parents, tree.depths[0].cpu(), on_path, cosine.cpu(), self.position)
+            RecordedTree(tree.tokens[0].cpu(), parents, tree.depths[0].cpu(), on_path, similarity.cpu(), self.position)
         )
         self.position += int(verdict.num_accepted[0]) + 1
 
@@ -218,10 +218,6 @@ def pair_labels(
     return labels
 
 
-def _cosine(a: Tensor, b: Tensor) -> Tensor:
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1, eps=1e-12)
-
-
 def representation_transforms(states: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
     """The four views of one layer's states (M, D): raw, per-vector centred, the run's mean removed, whitened."""
     mean = states.double().mean(0)
@@ -247,10 +243,10 @@ def pair_signals(
     out: dict[str, Tensor] = {}
     for layer, views in transforms.items():
         for name, view in views.items():
-            out[f"{layer} state, {name}"] = _cosine(view(states[layer][rows_a]), view(states[layer][rows_b]))
+            out[f"{layer} state, {name}"] = cosine(view(states[layer][rows_a]), view(states[layer][rows_b]))
     logits_a, logits_b = states["logits"][rows_a], states["logits"][rows_b]
-    out["softmaxed logits (Lumina dev file)"] = _cosine(logits_a.softmax(-1), logits_b.softmax(-1))
-    out["normalised logits (LlamaGen dev file)"] = _cosine(logits_a, logits_b)
+    out["softmaxed logits (Lumina dev file)"] = cosine(logits_a.double().softmax(-1), logits_b.double().softmax(-1))
+    out["normalised logits (LlamaGen dev file)"] = cosine(logits_a.double(), logits_b.double())
     if latent is not None:
         codes = latent[tree.tokens[pairs[:, 0]]].double(), latent[tree.tokens[pairs[:, 1]]].double()
         out["latent code distance, negated (LANTERN)"] = -(codes[0] - codes[1]).norm(dim=-1)
