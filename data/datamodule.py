@@ -172,6 +172,23 @@ def _rank_and_world(trainer: Any) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def settle_failed_shards(failed: dict[str, str], on_error: str) -> dict[str, str]:
+    """Shards that failed verification (path -> problem): raise under on_error="raise", else warn and skip them.
+
+    Raises:
+        ShardError: naming every failed shard, before anything trains.
+    """
+    if failed and on_error == "raise":
+        raise ShardError(
+            f"{len(failed)} shard(s) failed verification before training, nothing was trained:\n  "
+            + "\n  ".join(failed.values())
+            + "\n(set data.on_error=skip to train without them)"
+        )
+    for problem in failed.values():
+        warnings.warn(f"skipping a shard that failed verification: {problem}", SkippedSamplesWarning, stacklevel=3)
+    return failed
+
+
 class FeatureDataModule(L.LightningDataModule):
     """Train and val streams of extracted features for the configured target.
 
@@ -204,15 +221,7 @@ class FeatureDataModule(L.LightningDataModule):
                 print(f"{folder}: {report.summary()}")
             self._verified.add(folder)
             failed.update({str(Path(folder) / name): problem for name, problem in report.failed.items()})
-        if failed and self.config.on_error == "raise":
-            raise ShardError(
-                f"{len(failed)} shard(s) failed verification before training, nothing was trained:\n  "
-                + "\n  ".join(failed.values())
-                + "\n(set data.on_error=skip to train without them)"
-            )
-        for problem in failed.values():
-            warnings.warn(f"skipping a shard that failed verification: {problem}", SkippedSamplesWarning, stacklevel=2)
-        return failed
+        return settle_failed_shards(failed, self.config.on_error)
 
     def _run_dir(self) -> str | None:
         """Where a stamp goes when the dataset folder is read-only: the logger's run folder (no collective call)."""

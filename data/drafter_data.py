@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from data.data_config import DataConfig, SkippedSamplesWarning
-from data.datamodule import FeatureDataModule, ResumableLoader
-from data.errors import DatasetError, ShardError
+from data.data_config import DataConfig
+from data.datamodule import FeatureDataModule, ResumableLoader, settle_failed_shards
+from data.errors import DatasetError
 from data.extract_config import resolve_config_path
 from data.manifest import MANIFEST_NAME, Manifest, load_manifest
 from data.shards import TargetIdentity
@@ -243,15 +242,7 @@ class DrafterDataModule(FeatureDataModule):
         if self._verify_result is None:
             self._verify_result = self._verify_all()
         failed = self._verify_result
-        if failed and self.config.on_error == "raise":
-            raise ShardError(
-                f"{len(failed)} shard(s) failed verification before training, nothing was trained:\n  "
-                + "\n  ".join(failed.values())
-                + "\n(set data.on_error=skip to train without them)"
-            )
-        for problem in failed.values():
-            warnings.warn(f"skipping a shard that failed verification: {problem}", SkippedSamplesWarning, stacklevel=2)
-        return failed
+        return settle_failed_shards(failed, self.config.on_error)
 
     def _verify_all(self) -> dict[str, str]:
         failed: dict[str, str] = {}
