@@ -8,7 +8,7 @@ dtypes, shapes and values (NaN/Inf, token ids within the vocabulary) with vector
 arrays it decodes, raising `SampleError` naming the shard, key and field. The format itself (fields,
 writer) is `data.shards`, the manifest `data.manifest`, whole-dataset validation `data.validate`.
 
-It stays only while it is clearly faster than webdataset's own reader: `python -m data.bench` times
+It stays only while it is clearly faster than webdataset's own reader: `python -m inference.data_bench` times
 both on the same shards (arrays decoded). Measured on a 2-core CPU: 5.1x on 24 synthetic Janus-sized
 samples (`--synthetic janus`: 204 against 40 samples/s), 2.7x on the 3072 toy demo samples
 (`outputs/shards/toy-demo`: 3015 against 1136 samples/s).

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
-from training.convergence_region import RegionStudy, convergent_truth, format_table, token_patches
+from inference.measure.pipeline.convergence_region import RegionStudy, convergent_truth, format_table, token_patches
 from training.losses import later_similarity
 from training.objective import ObjectiveConfig
 

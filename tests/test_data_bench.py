@@ -1,12 +1,13 @@
-"""`python -m data.bench`: the DataModule against a raw read, and this project's tar reader against webdataset's."""
+"""`python -m inference.data_bench`: the DataModule against a raw read, and this project's tar reader against
+webdataset's."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
-import data.bench as bench
-from data.bench import JANUS, compare_readers, main, write_synthetic
+import inference.measure.pipeline.data_bench as bench
+from inference.measure.pipeline.data_bench import JANUS, compare_readers, main, write_synthetic
 
 TINY = dataclasses.replace(JANUS, name="tiny-synthetic", hidden_size=8, grid=(4, 4), image_vocab_size=32)
 

@@ -2,23 +2,26 @@
 
 Arrows (a part may import itself and what its arrow names, no other project part):
 
-    models               -> (nothing)
-    inference.decoding   -> models
-    inference.measure    -> inference.decoding, models
-    inference.evaluation -> inference.decoding, models
-    inference            -> inference.*, models    (its top-level modules: `python -m` entry points only)
-    data                 -> models, inference
-    training             -> models, inference, data
+    models                      -> (nothing)
+    inference.decoding          -> models
+    inference.measure           -> inference.decoding, models
+    inference.measure.pipeline  -> training, data, models, inference.decoding, inference.measure
+    inference.evaluation        -> inference.decoding, models
+    inference                   -> inference.*, models    (its top-level modules: `python -m` entry points only)
+    data                        -> models, inference (but inference.measure.pipeline)
+    training                    -> models, inference (but inference.measure.pipeline), data
 
-A part is a top-level package, or one of the three subpackages of `inference/`. Nothing outside `training/` and
-`tests/` imports `training`. The toy world is one package, `models/toy/`:
-code outside it imports `models.toy` (its public names), never one of its submodules. `models` and
-`inference` never import the training stack (lightning, deepspeed, webdataset), anywhere in a file:
+A part is a top-level package, one of the three subpackages of `inference/`, or `inference/measure/pipeline/`
+(what measures the training pipeline: its benchmarks and studies). Nothing outside `training/`,
+`inference/measure/pipeline/` and `tests/` imports `training`, and nothing but the pipeline itself, the entry
+points at the top of `inference/` and `tests/` imports `inference.measure.pipeline`. The toy world is one
+package, `models/toy/`: code outside it imports `models.toy` (its public names), never one of its submodules.
+`models` and `inference` never import the training stack (lightning, deepspeed, webdataset), anywhere in a file:
 module level, inside functions, under `if TYPE_CHECKING:`, or through `importlib.import_module("...")`
-with a literal name. Inference
-users need no training stack, which a test also checks at run time by importing every module. No two project
-modules import each other, directly or around a circle (type-only and function-level imports included). No
-`inference/` module is above 500 lines (the decode-cost issue).
+with a literal name; `inference.measure.pipeline`, which measures that stack, is the one exception. Inference
+users need no training stack, which a test also checks at run time by importing every module but the pipeline's
+and its entry points. No two project modules import each other, directly or around a circle (type-only and
+function-level imports included). No `inference/` module is above 500 lines (the decode-cost issue).
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("models", "inference", "data", "training")
-INFERENCE_PARTS = ("decoding", "measure", "evaluation")
-"""The subpackages of `inference/`, each a part of its own for the arrows."""
+INFERENCE_PARTS = ("decoding", "measure", "measure.pipeline", "evaluation")
+"""The subpackages of `inference/` that are parts of their own for the arrows (the deepest one a module is in)."""
+PIPELINE = "inference.measure.pipeline"
+"""What measures the training pipeline: it imports the training stack, so only its entry points import it."""
+PIPELINE_IMPORTERS = frozenset({PIPELINE, "inference"})
+"""The parts that may import the pipeline: itself and the entry points at the top of `inference/` (and tests)."""
 ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset({"models"}),
     "inference.decoding": frozenset({"models", "inference.decoding"}),
     "inference.measure": frozenset({"models", "inference.decoding", "inference.measure"}),
+    PIPELINE: frozenset({"training", "data", "models", "inference.decoding", "inference.measure", PIPELINE}),
     "inference.evaluation": frozenset({"models", "inference.decoding", "inference.evaluation"}),
     "inference": frozenset({"models", "inference"}),
     "data": frozenset({"models", "inference", "data"}),
@@ -44,9 +52,12 @@ ALLOWED: dict[str, frozenset[str]] = {
 """Parts each part may import (itself included); a package's name allows every part inside it (`inference`:
 its subpackages too). `inference` itself is its top-level modules, the `python -m` entry points."""
 OUTSIDE_ALLOWED = frozenset({"models", "inference", "data"})
-"""Project packages a Python file outside the four packages and tests/ may import: all but training."""
+"""Project packages a Python file outside the four packages and tests/ may import: all but training (and the
+pipeline's measurements, which import it)."""
 TRAINING_STACK = ("lightning", "pytorch_lightning", "deepspeed", "webdataset")
 NO_TRAINING_STACK = ("models", "inference")
+TRAINING_STACK_EXEMPT = frozenset({PIPELINE})
+"""The one part inside NO_TRAINING_STACK that imports the training stack: it measures it."""
 SKIPPED_DIRS = frozenset({"tests", "runs", "outputs", "build", "dist", "venv"})
 """Top-level folders that hold no project code the arrows govern (tests may import anything)."""
 DYNAMIC_IMPORTERS = frozenset({"import_module", "__import__"})
@@ -64,10 +75,13 @@ def _dynamic_name(call: ast.Call) -> str | None:
 
 def part_of(module: str) -> str:
     """The part a dotted module name belongs to: `inference.decoding.tree` -> `inference.decoding`,
-    `inference.bench` -> `inference`, `models.toy.world` -> `models`, `torch.nn` -> `torch`."""
+    `inference.measure.pipeline.data_bench` -> `inference.measure.pipeline`, `inference.bench` -> `inference`,
+    `models.toy.world` -> `models`, `torch.nn` -> `torch`."""
     parts = module.split(".")
-    if parts[0] == "inference" and len(parts) > 1 and parts[1] in INFERENCE_PARTS:
-        return f"inference.{parts[1]}"
+    if parts[0] == "inference":
+        for depth in (3, 2):  # the deepest part first: inference.measure.pipeline inside inference.measure
+            if len(parts) >= depth and ".".join(parts[1:depth]) in INFERENCE_PARTS:
+                return ".".join(parts[:depth])
     return parts[0]
 
 
@@ -121,7 +135,9 @@ def boundary_violations(source: str, relative_path: str) -> list[str]:
         top = part.split(".")[0]
         if top in PACKAGES and part not in allowed and top not in allowed:
             problems.append(f"{where}: {label} may not import {part}")
-        if package in NO_TRAINING_STACK and top in TRAINING_STACK:
+        elif part == PIPELINE and importer not in PIPELINE_IMPORTERS:
+            problems.append(f"{where}: {label} may not import {part} (only its entry points in inference/ do)")
+        if package in NO_TRAINING_STACK and importer not in TRAINING_STACK_EXEMPT and top in TRAINING_STACK:
             problems.append(f"{where}: {package} may not import the training stack ({top})")
     return problems
 
@@ -226,6 +242,38 @@ def test_the_checker_sees_the_inner_arrows_of_inference():
     ]
 
 
+def test_the_checker_keeps_the_pipeline_measurements_apart():
+    """`inference.measure.pipeline` may import the training side and the training stack; nothing else in
+    `inference/` may, and nothing but itself and its entry points imports it."""
+    source = (
+        "import lightning\n"
+        "from training.system import DrafterSystem\n"
+        "from data.drafter_data import DrafterDataModule\n"
+        "from inference.measure.provenance import provenance\n"
+        "from inference.evaluation.scoring import fid\n"
+        "from . import data_bench\n"
+    )
+    assert boundary_violations(source, "inference/measure/pipeline/x.py") == [
+        "inference/measure/pipeline/x.py:5: inference.measure.pipeline may not import inference.evaluation"
+    ]
+    assert part_of("inference.measure.pipeline.data_bench") == PIPELINE
+    assert imported_modules("from inference.measure import pipeline\n", "inference/measure/x.py") == [(1, PIPELINE)]
+    assert boundary_violations(source, "inference/measure/x.py") == [
+        "inference/measure/x.py:1: inference may not import the training stack (lightning)",
+        "inference/measure/x.py:2: inference.measure may not import training",
+        "inference/measure/x.py:3: inference.measure may not import data",
+        "inference/measure/x.py:5: inference.measure may not import inference.evaluation",
+    ]
+    uses = "from inference.measure.pipeline.data_bench import write_synthetic\n"
+    for importer in ("inference/measure/x.py", "inference/decoding/x.py", "inference/evaluation/x.py"):
+        part = part_of(module_name(importer))
+        assert boundary_violations(uses, importer) == [f"{importer}:1: {part} may not import {PIPELINE}"], importer
+    for importer in ("data/x.py", "training/x.py", "scripts/tool.py"):  # may import inference, not the pipeline
+        assert len(problems := boundary_violations(uses, importer)) == 1, importer
+        assert problems[0].endswith(f"may not import {PIPELINE} (only its entry points in inference/ do)")
+    assert boundary_violations("from inference.measure.pipeline.data_bench import main\n", "inference/x.py") == []
+
+
 def test_the_toy_checker_sees_submodule_imports():
     source = "from models.toy import ToyTarget\ndef f():\n    from models.toy.metrics import SceneReader\n"
     assert toy_internal_imports(source, "inference/synthetic.py") == [
@@ -256,7 +304,7 @@ def test_every_project_file_keeps_the_arrows():
 
 def test_the_top_of_inference_holds_entry_points_only():
     """`inference/NAME.py` only keeps `python -m inference.NAME` working: it imports `main` from the module
-    of the same name in one of the three parts, and the code lives there."""
+    of the same name in one of the parts of `inference/`, and the code lives there."""
     tops = sorted(p for p in (ROOT / "inference").glob("*.py") if p.name != "__init__.py")
     assert tops, "no entry points found at the top of inference/"
     for path in tops:
@@ -350,17 +398,36 @@ def test_no_project_modules_import_each_other():
     assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(group) for group in cycles)
 
 
+def pipeline_entry_points() -> list[str]:
+    """The modules at the top of `inference/` that run a pipeline measurement (`python -m inference.data_bench`)."""
+    found = []
+    for path in sorted((ROOT / "inference").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if any(part_of(m) == PIPELINE for m in modules):
+            found.append(f"inference.{path.stem}")
+    return found
+
+
 def test_models_and_inference_import_without_the_training_stack():
+    """Every module of `models` and `inference` but the pipeline's measurements (and their entry points)."""
+    skipped = pipeline_entry_points()
+    assert "inference.data_bench" in skipped, skipped  # the skip list sees the entry points
     code = (
         "import sys, importlib, pkgutil\n"
         "import models, inference\n"
+        "imported = []\n"
         "for package in (models, inference):\n"
         "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        f"        if info.name.startswith({PIPELINE + '.'!r}) or info.name in {skipped!r}:\n"
+        "            continue\n"
         "        importlib.import_module(info.name)\n"
-        f"print(sorted(m for m in {TRAINING_STACK!r} if m in sys.modules))\n"
+        "        imported.append(info.name)\n"
+        f"print(sorted(m for m in {TRAINING_STACK!r} if m in sys.modules), len(imported))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]", result.stdout
+    stack, count = result.stdout.split("]")
+    assert stack == "[" and int(count) > 50, result.stdout
 
 
 MAX_INFERENCE_FILE_LINES = 500

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from inference.measure.results import PAGE, RESULTS, main, render_page, uncommitted_sources
+from inference.measure.results import PAGE, RESULTS, main, regeneration, render_page, uncommitted_sources
 
 PROVENANCE = re.compile(r"\d{4}-\d{2}-\d{2}, \d+ CPU cores, [^,]+, torch [0-9][^ ,;]*(, commit [0-9a-f]{7}|;|\.)")
 """Date, machine, torch, and the commit, or (a table of several runs) no commit: each row's is in its JSON."""
@@ -103,6 +103,17 @@ def test_a_source_made_from_uncommitted_changes_is_refused_and_check_says_how_to
     assert "up to date" in capsys.readouterr().out
 
 
+def test_a_source_recorded_under_a_moved_command_is_remade_by_the_command_of_now():
+    """training.convergence_region moved to inference.convergence_region: the source keeps its recorded command, its
+    regeneration runs the new one and copies the JSON that one writes."""
+    recorded = {"command": ["python", "-m", "training.convergence_region", "--config", "demo", "--out", "outputs/c"]}
+    assert regeneration(recorded, "c.json") == (
+        "python -m inference.convergence_region --config demo --out outputs/c"
+        " && cp outputs/c/convergence_region.json docs/results/c.json"
+    )
+    assert recorded["command"][2] == "training.convergence_region"  # the payload itself is left as recorded
+
+
 def _decoding_table(taus: dict[str, float], drafter: str) -> dict:
     records = [
         {"rule": rule, "series": f"{rule} (static)" if rule != "ar" else "ar", "label": rule, "tree": "static",
@@ -177,12 +188,12 @@ def test_a_table_of_runs_at_several_commits_names_none(tmp_path):
 
 
 def test_a_json_with_its_own_table_renders_under_its_command(tmp_path):
-    from training.convergence_region import format_table
+    from inference.measure.pipeline.convergence_region import format_table
 
     summary = {"positions": 10, "convergent_share": 0.5, "pixel_threshold": 10.0,
                "config": {"source": "hidden raw", "tau": 0.625, "flagged_share": 0.4, "precision": 1.0, "recall": 0.8},
                "candidates": {"hidden raw": {"auc": 0.9, "threshold_same_share": 0.6}}}  # fmt: skip
-    payload = {"command": ["python", "-m", "training.convergence_region", "--config", "demo"],
+    payload = {"command": ["python", "-m", "inference.convergence_region", "--config", "demo"],
                "provenance": _decoding_table({}, "d")["provenance"], "table": format_table(summary)}  # fmt: skip
     (tmp_path / "r.json").write_text(json.dumps(payload))
     (tmp_path / "page.json").write_text(json.dumps([{"title": "R", "kind": "table", "file": "r.json"}]))

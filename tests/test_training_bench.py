@@ -1,5 +1,5 @@
-"""The Lightning-overhead benchmark (training/bench.py): it compares like with like, and its CLI prints
-the figures. Tiny settings (batch 2, 2 TTT steps, a few steps): a few seconds in all."""
+"""The Lightning-overhead benchmark (inference/measure/pipeline/training_bench.py): it compares like with like,
+and its CLI prints the figures. Tiny settings (batch 2, 2 TTT steps, a few steps): a few seconds in all."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
+from inference.measure.pipeline import training_bench as bench
 from models.registry import shared_target
-from training import bench
 from training.objective import drafter_objective
 from training.system import DrafterSystem, OptimizerConfig
 

@@ -64,10 +64,10 @@ from data.drafter_data import DrafterDataModule
 from data.extract import ExtractConfig, run_extraction
 from data.prompts import PromptSetConfig
 from data.shards import ManifestError, load_manifest
+from inference.measure.pipeline.training_bench import TrainingBatchTimer
 from models import registry
 from models.registry import shared_target
 from models.target import teacher_forced_states
-from training.bench import TrainingBatchTimer
 from training.objective import ObjectiveConfig, drafter_objective
 from training.online_features import fill_online_features
 from training.system import DrafterSystem, OptimizerConfig

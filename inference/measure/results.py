@@ -13,7 +13,7 @@
 - `bench`: `python -m inference.bench --out`'s JSON (a sweep or a set of rules), one table;
 - `signals`: `python -m inference.signals`'s `signals.json`, the AUC table;
 - `op_count`: `python -m inference.bench --count-ops --out`, ops and host syncs per step;
-- `table`: a command's JSON that carries its own Markdown `table` (`python -m training.convergence_region`).
+- `table`: a command's JSON that carries its own Markdown `table` (`python -m inference.convergence_region`).
 
 A section may carry a `note` (Markdown, no figures: it explains how to read the table). Every table is
 printed under the command(s) that made it and the date, machine and commit from the JSON's `provenance`
@@ -53,9 +53,12 @@ the decoding tables report on captions of seed 2026, which chose nothing.
 OUTPUT_FILES = {
     "inference.decoding_table": "table.json",
     "inference.signals": "signals.json",
-    "training.convergence_region": "convergence_region.json",
+    "inference.convergence_region": "convergence_region.json",
 }
 """The JSON a folder-writing command leaves in its --out folder (`inference.bench --out` names the file itself)."""
+MOVED_COMMANDS = {"training.convergence_region": "inference.convergence_region"}
+"""`python -m` modules a recorded command names that run under another name now: a source keeps the command it
+was made with, and its regeneration names the one to run."""
 
 
 def source_files(results: Path = RESULTS) -> list[str]:
@@ -74,6 +77,8 @@ def regeneration(payload: dict[str, Any], name: str) -> str:
     command = [str(part) for part in payload["command"]]
     out = command[command.index("--out") + 1] if "--out" in command else None
     module = command[2] if command[:2] == ["python", "-m"] and len(command) > 2 else ""
+    if module in MOVED_COMMANDS:
+        module = command[2] = MOVED_COMMANDS[module]
     made = None if out is None else (f"{out}/{OUTPUT_FILES[module]}" if module in OUTPUT_FILES else out)
     copy = f" && cp {made} docs/results/{name}" if made else f" (then copy its JSON to docs/results/{name})"
     return " ".join(command) + copy

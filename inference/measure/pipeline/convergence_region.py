@@ -1,6 +1,6 @@
 """Which states mark CASCADE's convergence region in the training data, scored against the decoded image.
 
-    python -m training.convergence_region --config demo --batches 16 --out outputs/convergence_region
+    python -m inference.convergence_region --config demo --batches 16 --out outputs/convergence_region
 
 The objective doubles the soft cross-entropy of a position whose state has cosine > `convergence_tau` with
 some later position's state (`training/losses.py`; docs/method.md, section "Convergence-region reweighting"): a region
@@ -154,7 +154,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m training.convergence_region", description=__doc__,
+        prog="python -m inference.convergence_region", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--config", default="demo", help="fit config: a name in configs/ or a path (default demo)")
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table, end="")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = ["python", "-m", "training.convergence_region", *(sys.argv[1:] if argv is None else argv)]
+        command = ["python", "-m", "inference.convergence_region", *(sys.argv[1:] if argv is None else argv)]
         write_json({"command": command, "provenance": provenance(), "config_file": args.config, **summary,
                     "table": table}, args.out / "convergence_region.json")  # fmt: skip
         write_atomic(args.out / "table.md", f"```\n{' '.join(command)}\n```\n\n{table}")

@@ -1,9 +1,9 @@
 """Lightning overhead benchmark: one `DrafterSystem` training step under a real `lightning.Trainer`
 against a plain PyTorch loop over the same drafter and the same batch, measured in the same run.
 
-    python -m training.bench                                   # toy target, EAGLE-3, B 16, 7 TTT steps, 1 thread
-    python -m training.bench --batch-size 4 --steps 30 --warmup 5 --rounds 2
-    python -m training.bench --architecture eagle1 --cfg-loss --threads 2
+    python -m inference.training_bench  # toy target, EAGLE-3, B 16, 7 TTT steps, 1 thread
+    python -m inference.training_bench --batch-size 4 --steps 30 --warmup 5 --rounds 2
+    python -m inference.training_bench --architecture eagle1 --cfg-loss --threads 2
 
 Both sides train the toy target's "toy" drafter preset on one synthetic batch built in memory with
 the shapes of an extracted toy batch (tokens (B, 36), hidden (B, 36, 128), aux (B, 36, 384) in
@@ -51,6 +51,8 @@ from models.registry import shared_target
 from models.target import ImageTarget
 from training.objective import ObjectiveConfig, drafter_objective
 from training.system import DrafterSystem, OptimizerConfig, lr_factor
+
+PROG = "python -m inference.training_bench"
 
 GOAL = 1.10
 GRADIENT_CLIP = 0.5
@@ -236,7 +238,9 @@ def objective_for(architecture: str, ttt_steps: int | None, cfg_loss: bool) -> O
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch (configs/demo.yaml: 16)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each side per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each side before each round's timing")

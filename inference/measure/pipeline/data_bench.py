@@ -1,9 +1,9 @@
 """Throughput of the DataModule iterator against a raw sequential read of the same shard files, and of
 this project's tar reader against webdataset's own reader on the same shards.
 
-    python -m data.bench shards/toy                         # an extracted dataset
-    python -m data.bench --synthetic janus                  # Janus-Pro-7B-sized samples, written to a temp dir
-    python -m data.bench --synthetic janus --num-shards 8 --samples-per-shard 8 --num-workers 2
+    python -m inference.data_bench shards/toy         # an extracted dataset
+    python -m inference.data_bench --synthetic janus  # Janus-Pro-7B-sized samples, written to a temp dir
+    python -m inference.data_bench --synthetic janus --num-shards 8 --samples-per-shard 8 --num-workers 2
 
 Both paths run in the same process on the same files, alternating `--repeats` times after one
 untimed pass of each (the raw pass warms the page cache; the loader's warms what training keeps
@@ -40,6 +40,8 @@ from data.shards import (
     shard_name,
     write_atomic,
 )
+
+PROG = "python -m inference.data_bench"
 
 JANUS = TargetIdentity(
     name="janus-pro-7b-synthetic",
@@ -211,7 +213,9 @@ def run_bench(folder: Path, batch_size: int, num_workers: int, repeats: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("dir", type=Path, nargs="?", help="dataset folder (manifest.json + shards)")
     parser.add_argument("--synthetic", choices=["janus"], help="write and bench a synthetic dataset instead")
     parser.add_argument("--out", type=Path, help="--synthetic: where to write it (default: a temp dir, removed after)")

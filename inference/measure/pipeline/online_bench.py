@@ -1,8 +1,8 @@
 """What the online step costs: the target's FLOPs per step before and after, extraction time and step times.
 
-    python -m training.bench_online                       # all three parts, the demo's recipe on the toy target
-    python -m training.bench_online --parts flops          # the FLOPs table alone (seconds)
-    python -m training.bench_online --steps 50 --rounds 3 --extract-count 256
+    python -m inference.online_bench                # all three parts, the demo's recipe on the toy target
+    python -m inference.online_bench --parts flops  # the FLOPs table alone (seconds)
+    python -m inference.online_bench --steps 50 --rounds 3 --extract-count 256
 
 1. Target FLOPs per online step (`torch.utils.flop_counter.FlopCounterMode` over the target's forward
    of one step, `models.target.teacher_forced_states`), on the tiny random-weight Janus, LlamaGen and
@@ -53,12 +53,14 @@ from torch.utils.flop_counter import FlopCounterMode
 import training.online_features as online_features
 from data.drafter_data import DrafterDataModule, resolve_config_path
 from data.extract import load_config, run_extraction
+from inference.measure.pipeline.training_bench import TrainingBatchTimer
 from models.random_weights import STAND_IN_WORDS, random_target
 from models.registry import shared_target
 from models.target import ImageTarget, TeacherForcedStates, teacher_forced_states
-from training.bench import TrainingBatchTimer
 from training.objective import ObjectiveConfig, draw_uncond_swap, uncond_samples_read
 from training.system import DrafterSystem, OptimizerConfig
+
+PROG = "python -m inference.online_bench"
 
 PARTS = ("flops", "extract", "steps")
 FLOP_TARGETS = {  # bench name -> (random-weight target or "toy", the config whose recipe and batch it runs)
@@ -215,7 +217,9 @@ def fit_periods(folder: Path, features: str, steps: int, demo: dict[str, Any]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--flop-steps", type=int, default=20, help="steps whose swap draws the FLOPs average")
     parser.add_argument("--repeats", type=int, default=7, help="timed target forwards per path in the FLOPs part")
