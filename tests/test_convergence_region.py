@@ -6,7 +6,15 @@ import pytest
 import torch
 from conftest import build_tiny_toy_target
 
-from inference.measure.pipeline.convergence_region import RegionStudy, convergent_truth, format_table, token_patches
+from inference.measure.pipeline.convergence_region import (
+    RegionStudy,
+    build_study,
+    convergent_truth,
+    format_table,
+    parse_args,
+    token_patches,
+)
+from models.registry import target_device
 from training.losses import later_similarity
 from training.objective import ObjectiveConfig
 
@@ -69,3 +77,17 @@ def test_the_study_scores_a_perfect_signal_and_the_configs_region():
     assert low.summary()["config"]["flagged_share"] == 0.0  # random streams: nothing above 0.99
     with pytest.raises(ValueError, match="no batch"):
         RegionStudy(ObjectiveConfig()).summary()
+
+
+def test_a_real_config_builds_through_the_fit_config_check_with_one_target():
+    """The study builds system and DataModule as `training/fit.py` does (`check_config`), so both carry the config's
+    `target_options` and resolve to one shared target; nothing loads here (the target loads in setup)."""
+    args = parse_args(["--config", "eagle3_janus", "--train-dir", "/nowhere/shards", "--convergence-source", "aux-low",
+                       "--convergence-tau", "0.8"])  # fmt: skip
+    system, datamodule = build_study(args)
+    assert system.target_options == datamodule.target_options == {"dtype": "bfloat16"}
+    assert system.target_name == datamodule.target_name == "janus-pro-7b"
+    assert system.target_placement() == target_device(datamodule.target_options, datamodule.target_placement())
+    assert (system.objective.convergence_source, system.objective.convergence_tau) == ("aux-low", 0.8)
+    assert system.vocab_dir == datamodule.config.train_dir == "/nowhere/shards"  # fit.py's link
+    assert (datamodule.config.num_val_shards, datamodule.config.load_uncond) == (0, False)  # every shard, cond rows

@@ -5,8 +5,10 @@
 The objective doubles the soft cross-entropy of a position whose state has cosine > `convergence_tau` with
 some later position's state (`training/losses.py`; docs/method.md, section "Convergence-region reweighting"): a region
 where the image repeats itself. This command checks that premise on the fit config's own training batches, with the
-states the objective reads (stored, or computed online by the frozen target as in training). Ground truth comes from the
-target's image decoder, which no decode-time signal sees:
+states the objective reads (stored, or computed online by the frozen target as in training): the system and the
+DataModule come from the config through `training.fit.check_config`, the parsing and checks of `python training/fit.py`,
+so they share one target (`models.registry.shared_target`). Ground truth comes from the target's image decoder, which
+no decode-time signal sees:
 
 - a position is **convergent** when its token's patch of the decoded image lies within `--pixel-threshold`
   grey levels (root mean square over the patch) of the patch of a later token of the same image: the
@@ -34,19 +36,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import Tensor
 from tqdm import tqdm
 
 from data.drafter_data import DrafterDataModule
-from data.extract_config import resolve_config_path
 from inference.decoding.files import write_atomic, write_json
 from inference.measure.provenance import provenance
 from inference.measure.signals import DEFAULT_PIXEL_THRESHOLD, roc_auc
 from models.target import ImageTarget
+from training.fit import check_config
 from training.losses import convergent_positions, later_pairs, later_similarity
 from training.objective import CONVERGENCE_SOURCES, ObjectiveConfig, convergence_stream
-from training.system import DrafterSystem, OptimizerConfig
+from training.system import DrafterSystem
 
 COMPARISONS = ("raw", "centred")
 
@@ -170,27 +171,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def build_study(args: argparse.Namespace) -> tuple[DrafterSystem, DrafterDataModule]:
+    """The fit config's system and DataModule, built by `training.fit`'s own config check (`check_config`: the
+    same parsing, links and validation as `python training/fit.py`), so the DataModule and the system pass the
+    same `target_options` and share one target (`models.registry.shared_target`). The study reads every shard
+    (`data.num_val_shards 0`) and the conditional rows only (`data.load_uncond false`)."""
+    overrides = ["--data.num_val_shards", "0", "--data.load_uncond", "false"]
+    if args.train_dir:
+        overrides += ["--data.train_dir", args.train_dir]
+    if args.convergence_source:
+        overrides += ["--model.objective.convergence_source", args.convergence_source]
+    if args.convergence_tau is not None:
+        overrides += ["--model.objective.convergence_tau", str(args.convergence_tau)]
+    saved_argv = sys.argv  # LightningCLI warns when both its `args` and sys.argv hold arguments
+    sys.argv = sys.argv[:1]
+    try:
+        cli = check_config(["--config", args.config, *overrides])
+    finally:
+        sys.argv = saved_argv
+    return cli.model, cli.datamodule
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = yaml.safe_load(resolve_config_path(args.config).read_text())
-    model, data = config["model"], config["data"]
-    overrides = {"convergence_source": args.convergence_source, "convergence_tau": args.convergence_tau}
-    objective = ObjectiveConfig(
-        **{**model.get("objective", {}), **{k: v for k, v in overrides.items() if v is not None}}
-    )
-    settings = {k: v for k, v in model.items() if k not in ("objective", "optimizer")}  # target, preset, ...
-    system = DrafterSystem(**settings, objective=objective, optimizer=OptimizerConfig(**model.get("optimizer", {})))
-    datamodule = DrafterDataModule(
-        train_dir=args.train_dir or data["train_dir"], batch_size=data.get("batch_size", 16), target=model["target"],
-        load_aux=data.get("load_aux", True), load_uncond=False, features=data.get("features", "offline"),
-    )  # fmt: skip
+    system, datamodule = build_study(args)
     datamodule.setup("fit")
     system.setup("fit")
     target = system.frozen_target
     assert target is not None
-    study = RegionStudy(objective, args.pixel_threshold)
+    study = RegionStudy(system.objective, args.pixel_threshold)
     with torch.no_grad():
         for batch in tqdm(itertools.islice(datamodule.train_dataloader(), args.batches), total=args.batches,
                           desc="batches", file=sys.stderr):  # fmt: skip
