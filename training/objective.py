@@ -1,5 +1,5 @@
 """The drafter training objective over one batch of extracted features, shared by the LightningModule,
-the benchmark's plain PyTorch loop and the tests.
+the training benchmark's plain PyTorch loop (`inference/measure/pipeline/training_bench.py`) and the tests.
 
 Alignment (data/shards.py): row j of a sample's features is the target state that predicted image
 token j, so head(hidden[j]) is token j's target logits. Drafter element t reads (feature t, token t)

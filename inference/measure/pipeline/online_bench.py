@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print_flops([flop_row(name, args.flop_steps, args.repeats) for name in FLOP_TARGETS], args.flop_steps)
     if "extract" not in parts and "steps" not in parts:
         return 0
-    scratch = Path(tempfile.mkdtemp(prefix="bench_online-"))
+    scratch = Path(tempfile.mkdtemp(prefix="online_bench-"))
     try:
         timings: dict[str, list[float]] = {"tokens": [], "full": []}
         sizes: dict[str, int] = {}
