@@ -84,6 +84,24 @@ class Placed(Exception):
         self.device = device
 
 
+@pytest.fixture(autouse=True)
+def _restore_process_rank():
+    """Building a Trainer under a simulated launch sets the process-wide rank Lightning's rank-zero guards read
+    (`rank_zero_only.rank`, rank 11 on node 1): restored after each test, or later tests' loggers write nothing."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero_only
+
+    guards = (fabric_rank_zero_only, pytorch_rank_zero_only)
+    saved = [getattr(guard, "rank", None) for guard in guards]
+    yield
+    for guard, rank in zip(guards, saved, strict=True):
+        if rank is None:
+            if hasattr(guard, "rank"):
+                delattr(guard, "rank")
+        else:
+            guard.rank = rank
+
+
 @pytest.fixture
 def built_devices(monkeypatch):
     """Pretend CUDA is there (as on the cluster) and record where the Janus builder is asked to build, not building."""
