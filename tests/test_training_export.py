@@ -19,6 +19,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,6 +43,7 @@ from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import shared_target
 from training.checkpoints import drafter_from_checkpoint
 from training.export import ExportError, check_serving_layout, export_drafter, main, serving_weight_names
+from training.model_card import logged_scalars
 
 PROMPTS = ["a small red circle at the top left on a plain blue background", "a big green square on stripes"]
 DECODER = DecoderConfig(tree="dynamic", top_k=4, depth=3, total_tokens=14)
@@ -291,11 +293,7 @@ def safetensors_metadata(folder: Path) -> dict[str, str]:
 
 
 def logged(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(run_dir))
-    accumulator.Reload()
-    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+    return [(event.step, event.value) for event in logged_scalars(run_dir)[tag]]
 
 
 # ----------------------------------------------------------------------------- export
@@ -554,3 +552,20 @@ def test_exported_files_follow_the_users_umask(tiny_run: Path, tmp_path: Path):
     assert stat.S_IMODE(result.folder.stat().st_mode) == 0o750
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in result.folder.iterdir()}
     assert modes == {"config.json": 0o640, "model.safetensors": 0o640, "README.md": 0o640}, modes
+
+
+def test_logged_scalars_follow_the_writing_order_not_the_file_names(tmp_path: Path):
+    """A process's tenth TensorBoard writer names its file `...<pid>.10`, which sorts before the ninth's `....9`:
+    the validation before training would then read as logged after it."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for step, value, counter in ((0, 1.0, 9), (2, 1.5, 10)):  # written in this order
+        writer = SummaryWriter(str(tmp_path / "tmp"))
+        writer.add_scalar("val/tau_sim", value, step)
+        writer.close()
+        (written,) = (tmp_path / "tmp").glob("events.out.tfevents.*")
+        written.rename(tmp_path / f"events.out.tfevents.1700000000.host.123.{counter}")
+        time.sleep(0.01)  # distinct wall times
+    names = sorted(path.name for path in tmp_path.glob("events.out.tfevents.*"))
+    assert names[0].endswith(".10")  # the name order is the reverse of the writing order
+    assert logged(tmp_path, "val/tau_sim") == [(0, 1.0), (2, 1.5)]

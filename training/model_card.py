@@ -90,18 +90,32 @@ def checkpoint_taus(fields: dict[str, Any]) -> tuple[list[TauFigure], list[TauFi
     return metrics, scores
 
 
+def logged_scalars(run_dir: Path) -> dict[str, list[Any]]:
+    """Every scalar the run logged, by tag, in the order it was written (TensorBoard `ScalarEvent`s).
+
+    A fit writes one event file per phase (the validation before training, then the fit). TensorBoard's
+    directory reader takes the files in name order, and the names end in a per-process writer counter
+    (`...<pid>.9` sorts after `...<pid>.10`), so each file is read on its own and the events are put back in
+    the order of their wall times.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    guidance = {"scalars": 0, "images": 1, "tensors": 1, "histograms": 1, "audio": 1, "compressedHistograms": 1}
+    scalars: dict[str, list[Any]] = {}
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(path), size_guidance=guidance)
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(accumulator.Scalars(tag))
+    return {tag: sorted(values, key=lambda event: event.wall_time) for tag, values in scalars.items()}
+
+
 def logged_taus(run_dir: Path, max_step: int | None) -> list[TauFigure]:
     """The last logged value (at or before `max_step`) of every τ tag in the run's TensorBoard logs."""
     if not any(run_dir.glob("events.out.tfevents.*")):
         return []
     try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        guidance = {"scalars": 0, "images": 1, "tensors": 1, "histograms": 1, "audio": 1, "compressedHistograms": 1}
-        accumulator = EventAccumulator(str(run_dir), size_guidance=guidance)
-        accumulator.Reload()
-        tags = [tag for tag in accumulator.Tags()["scalars"] if _is_tau(tag)]
-        events = {tag: accumulator.Scalars(tag) for tag in tags}
+        events = {tag: values for tag, values in logged_scalars(run_dir).items() if _is_tau(tag)}
     except Exception as error:  # the card is still useful without the logs: say why they are missing
         print(f"warning: could not read the TensorBoard logs in {run_dir}: {error}", file=sys.stderr)
         return []
