@@ -21,6 +21,7 @@ from models.texture import (
 )
 from models.texture.model import TEXTURE_GPT_CONFIG
 from models.texture.scenes import FREQUENCY_BANDS, render_texture_scene, texture_field
+from models.texture.target import TARGET_FILE
 from models.texture.train import PARTIAL_FILE, TargetRun, train_texture_target, train_texture_vq
 from models.texture.world import MAX_CAPTION_WORDS, WORDS, TexturedObject, TextureScene
 from models.toy import COLOURS, is_held_out
@@ -98,6 +99,12 @@ def test_target_training_resumes_to_the_same_weights_and_loads_as_a_target(tmp_p
         torch.testing.assert_close(a, b, msg=name)
     target = TextureTarget.from_assets(tmp_path / "resumed")
     assert target.name == "texture" and target.geometry.num_tokens == 144
+    # a second round starts from finished weights (at learning rate 0 they stay as they were)
+    second = TargetRun(1, batch_size=2, lr=0.0, warmup=1, seed=5, gpt_config=TINY_GPT)
+    again = train_texture_target(tmp_path / "round2", vq, second, init_from=tmp_path / "resumed" / TARGET_FILE)
+    assert again is not None
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), again.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_tiny_target_samples_images_and_the_calibration_reads_the_distributions_it_drew_from(tmp_path):

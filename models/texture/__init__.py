@@ -15,9 +15,9 @@ Code outside this package uses only the names below.
 
 from __future__ import annotations
 
+from models.texture.model import network_from_checkpoint
 from models.texture.scenes import render_texture_dataset, render_texture_scene, texture_captions
 from models.texture.target import ASSETS, TEXTURE_SAMPLING, TextureTarget
-from models.texture.train import network_from_checkpoint
 from models.texture.world import IMAGE_SIZE, TextureScene, parse_texture_caption, texture_caption
 
 __all__ = [

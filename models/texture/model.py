@@ -8,6 +8,10 @@ and the texture codebook.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
+
+import torch
 
 from models.llamagen import LlamaGenConfig
 from models.texture.world import GRID, MAX_CAPTION_WORDS, WORDS
@@ -24,3 +28,14 @@ def texture_network(vocab_size: int, gpt_config: LlamaGenConfig = TEXTURE_GPT_CO
     """A fresh (randomly initialised) texture-world network for a codebook of `vocab_size` codes."""
     encoder = dataclasses.replace(TEXTURE_ENCODER_CONFIG, dim=gpt_config.caption_dim)
     return ToyTextToImage(encoder, dataclasses.replace(gpt_config, vocab_size=vocab_size))
+
+
+def network_from_checkpoint(path: Path) -> ToyTextToImage:
+    """The network of a resumable checkpoint (`texture_target.partial.pt`), in eval mode: a run in progress."""
+    state = torch.load(path, weights_only=True)
+    fields = json.loads(state["gpt_config"])
+    fields["aux_layer_ids"] = tuple(fields["aux_layer_ids"])
+    config = LlamaGenConfig(**fields)
+    model = texture_network(config.vocab_size, config)
+    model.load_state_dict(state["model"])
+    return model.eval()

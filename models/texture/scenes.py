@@ -6,7 +6,7 @@ text-to-image model:
 
 - the texture's exact frequency (within its scale's band), orientation, contrast and noise phase;
   the texture is smooth value noise (fractal sums of octaves) shaped into clouds, marble veins, wood
-  rings, sand ripples or granite speckle, plus a fine grey grain, so a patch's code is partly
+  rings, sand ripples or granite speckle, plus a strong grain (grey and per channel), so a patch's code is partly
   predictable from its neighbours (the low octaves) and partly not (the high octaves and grain);
 - the light direction, which shades every object (spheres for circles, tilted planes otherwise) and
   casts a soft shadow on the texture;
@@ -43,7 +43,11 @@ OBJECT_COUNT_PROBABILITIES = (0.45, 0.35, 0.2)  # for 1, 2 and 3 objects
 FREQUENCY_BANDS = {"coarse": (1 / 26, 1 / 14), "fine": (1 / 11, 1 / 6)}
 CONTRAST_RANGE = (0.5, 1.0)  # drawn per image: how far the texture swings around its tone
 TEXTURE_SWING = 0.45  # relative brightness swing of a full-contrast texture
-GRAIN_STD = {"clouds": 3.0, "marble": 4.0, "wood": 4.0, "sand": 11.0, "granite": 7.0}  # grey levels, per pixel
+# Per-pixel grain, grey levels: a grey part shared by R, G, B and an independent part per channel. It is what a
+# patch holds that no neighbour predicts; at these levels it moves a texture patch over many of the codes of its
+# texture (MODEL_CARD.md: the grain alone gives 2.9-4.0 nats per texture patch), as real textures do.
+GRAIN_STD = {"clouds": 9.0, "marble": 10.0, "wood": 10.0, "sand": 14.0, "granite": 12.0}
+CHROMA_GRAIN_STD = 5.0
 OBJECT_GRAIN_STD = 2.0
 SUPERSAMPLE = 4
 JITTER = 2.0  # px an object may sit off its cell centre
@@ -136,6 +140,7 @@ def render_texture_scene(scene: TextureScene, rng: np.random.Generator, size: in
     field = texture_field(scene.texture, frequency, angle, rng, size)
     tone = np.asarray(TEXTURE_COLOURS[scene.tone], dtype=np.float64)
     grain = rng.normal(0.0, GRAIN_STD[scene.texture], size=(size, size, 1))
+    grain = grain + rng.normal(0.0, CHROMA_GRAIN_STD, size=(size, size, 3))
     canvas = tone * (1.0 + TEXTURE_SWING * contrast * np.tanh(field))[..., None] + grain  # (size, size, 3)
 
     light_angle = float(rng.uniform(0.0, 2 * math.pi))

@@ -1,20 +1,21 @@
 """Train the texture world's models: the patch VQ and the text-to-image target.
 
-    python -m models.texture.train --stage vq --out models/texture/assets                  # 8192 codes
-    python -m models.texture.train --stage target --steps 6000 --out models/texture/assets \\
-        --checkpoint-dir /work/runs/texture --max-minutes 60                               # resumable
+    python -m models.texture.train --stage vq --out models/texture/assets       # 8192 codes, about 9 min
+    python -m models.texture.train --stage target --out models/texture/assets \
+        --checkpoint-dir /work/runs/texture --max-minutes 60                    # resumable; rerun to go on
 
 Stages (each writes one safetensors file into --out):
 
 - `vq`: k-means codebook of 4 x 4 RGB patches (--num-codes, 8192) fitted on --vq-images training
-  scenes -> `texture_vq.safetensors`;
+  scenes (1000, --vq-iterations 8 Lloyd iterations) -> `texture_vq.safetensors`;
 - `target`: the caption encoder + LlamaGen GPT (`models.texture.model`) on freshly drawn training
-  scenes, with caption dropout 0.1 to the learned unconditional caption (for CFG) ->
-  `texture_target.safetensors`. The run checkpoints to `texture_target.partial.pt` in
-  --checkpoint-dir (default --out) every --checkpoint-every steps and at --max-minutes, and the same
-  command resumes it; the schedule (warm-up, cosine to 0.1x) is fixed by --steps, so a resumed run
-  sees the same batches and learning rates as an uninterrupted one. The final file is written only
-  when the run reaches --steps.
+  scenes (--steps 1600 of --batch-size 16, AdamW at peak --lr 2e-3), with caption dropout 0.1 to
+  the learned unconditional caption (for CFG) -> `texture_target.safetensors`. The run checkpoints
+  to `texture_target.partial.pt` in --checkpoint-dir (default --out) every --checkpoint-every steps
+  and at --max-minutes, and the same command resumes it; the schedule (warm-up, cosine to 0.1x) is
+  fixed by --steps, so a resumed run sees the same batches and learning rates as an uninterrupted
+  one. The final file is written only when the run reaches --steps. `--init-from FILE --seed S`
+  starts a second round (a new schedule, new batches) from finished weights.
 
 Batches are drawn from seeds derived from (seed, step). Progress lines (step, train loss, held-out
 loss on 128 held-out scenes, minutes) go to stdout, flushed, so `> log` shows them as they come.
@@ -46,7 +47,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def train_texture_vq(out: Path, seed: int, num_codes: int, num_images: int, iterations: int = 15) -> PatchVQ:
+def train_texture_vq(out: Path, seed: int, num_codes: int, num_images: int, iterations: int = 8) -> PatchVQ:
     """Fit the patch codebook on `num_images` training scenes, report its round-trip error, save it."""
     _, images = render_texture_dataset(num_images, seed=seed, split="train")
     vq = PatchVQ(num_codes=num_codes, patch=4, image_size=images.shape[1])
@@ -68,9 +69,9 @@ class TargetRun:
     """Settings of one target training run (all of them fix the schedule and the batches)."""
 
     steps: int
-    batch_size: int = 32
+    batch_size: int = 16
     lr: float = 2e-3
-    warmup: int = 200
+    warmup: int = 100
     seed: int = 1234
     gpt_config: LlamaGenConfig = dataclasses.field(default_factory=lambda: TEXTURE_GPT_CONFIG)
     eval_every: int = 250
@@ -78,8 +79,13 @@ class TargetRun:
 
 
 def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir: Path | None = None,
-                         max_minutes: float | None = None) -> ToyTextToImage | None:  # fmt: skip
-    """Train (or resume) the target; returns the network once it reaches `run.steps`, None when stopped early."""
+                         max_minutes: float | None = None,
+                         init_from: Path | None = None) -> ToyTextToImage | None:  # fmt: skip
+    """Train (or resume) the target; returns the network once it reaches `run.steps`, None when stopped early.
+
+    `init_from` (a finished `texture_target.safetensors` of the same architecture) starts a fresh
+    schedule from its weights instead of random ones: a second round after a first one ran its schedule out.
+    """
     checkpoint_dir = checkpoint_dir or out
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     partial = checkpoint_dir / PARTIAL_FILE
@@ -88,6 +94,9 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.05, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(run.seed)
     step, elapsed, history = 0, 0.0, []
+    if init_from is not None and not partial.exists():
+        model.load_state_dict(ToyTextToImage.load(init_from).state_dict(), strict=True)
+        _say(f"target: starting from the weights of {init_from}")
     if partial.exists():
         state = torch.load(partial, weights_only=True)
         if state["run"] != repr(run):
@@ -150,28 +159,20 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     return model
 
 
-def network_from_checkpoint(path: Path) -> ToyTextToImage:
-    """The network of a resumable checkpoint (`texture_target.partial.pt`), in eval mode: a run in progress."""
-    state = torch.load(path, weights_only=True)
-    fields = json.loads(state["gpt_config"])
-    fields["aux_layer_ids"] = tuple(fields["aux_layer_ids"])
-    config = LlamaGenConfig(**fields)
-    model = texture_network(config.vocab_size, config)
-    model.load_state_dict(state["model"])
-    return model.eval()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=["vq", "target", "all"], default="all")
     parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
     parser.add_argument("--num-codes", type=int, default=8192, help="--stage vq: codebook size")
-    parser.add_argument("--vq-images", type=int, default=3000, help="--stage vq: training scenes for k-means")
-    parser.add_argument("--steps", type=int, default=6000, help="target training steps (fixes the schedule)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--vq-images", type=int, default=1000, help="--stage vq: training scenes for k-means")
+    parser.add_argument("--vq-iterations", type=int, default=8, help="--stage vq: Lloyd iterations")
+    parser.add_argument("--steps", type=int, default=1600, help="target training steps (fixes the schedule)")
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     parser.add_argument("--dim", type=int, default=TEXTURE_GPT_CONFIG.dim, help="GPT width (tests: a tiny one)")
     parser.add_argument("--layers", type=int, default=TEXTURE_GPT_CONFIG.num_layers, help="GPT layers")
+    parser.add_argument("--init-from", type=Path, help="finished weights to start a new round from")
     parser.add_argument("--checkpoint-dir", type=Path, help="where the resumable checkpoint lives (default --out)")
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--max-minutes", type=float, help="stop (checkpointed, resumable) after this long")
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage in ("vq", "all"):
-        vq = train_texture_vq(args.out, args.seed, args.num_codes, args.vq_images)
+        vq = train_texture_vq(args.out, args.seed, args.num_codes, args.vq_images, args.vq_iterations)
     else:
         if not (args.out / VQ_FILE).exists():
             sys.exit(f"{args.out / VQ_FILE} is missing; fit it first with --stage vq --out {args.out}")
@@ -190,9 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         gpt = dataclasses.replace(
             TEXTURE_GPT_CONFIG, dim=args.dim, caption_dim=args.dim, num_layers=args.layers, aux_layer_ids=None
         )
-        run = TargetRun(args.steps, args.batch_size, args.lr, seed=args.seed, gpt_config=gpt,
+        run = TargetRun(args.steps, args.batch_size, args.lr, args.warmup, seed=args.seed, gpt_config=gpt,
                         checkpoint_every=args.checkpoint_every)  # fmt: skip
-        train_texture_target(args.out, vq, run, args.checkpoint_dir, args.max_minutes)
+        train_texture_target(args.out, vq, run, args.checkpoint_dir, args.max_minutes, args.init_from)
 
 
 if __name__ == "__main__":
