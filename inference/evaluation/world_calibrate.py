@@ -1,6 +1,6 @@
 """How uncertain an embedded world's target is at its default sampling: the statistics the texture world is fixed by.
 
-    python -m inference.evaluation.world_calibrate                                   # shipped texture target
+    python -m inference.evaluation.world_calibrate --folder RUN                      # a trained texture target
     python -m inference.evaluation.world_calibrate --checkpoint RUN/texture_target.partial.pt --folder RUN
     python -m inference.evaluation.world_calibrate --world toy                        # the toy, for comparison
 

@@ -8,7 +8,9 @@ changes what is drawn: shaded, soft-edged objects spanning many tokens over proc
 image, on a 48 x 48 canvas of 4 x 4 patches (144 tokens) with an 8192-code codebook full of
 near-duplicates. Parts: the caption grammar (`world`, one caption in 20 held out by hash), scene
 drawing (`scenes`), the network sizes (`model`), the target (`target`), training
-(`python -m models.texture.train`) and the shipped files with their model card (`assets/`).
+(`python -m models.texture.train`) and the shipped VQ with the model card (`assets/`; the target
+is not shipped yet: see the card). `python -m inference.evaluation.world_calibrate` measures a
+target's entropy and top-1 at its default sampling.
 
 Code outside this package uses only the names below.
 """

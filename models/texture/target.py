@@ -1,6 +1,6 @@
 """The texture world's target behind the `ImageTarget` interface: the toy target's machinery, texture weights.
 
-    target = TextureTarget.from_assets()   # models/texture/assets/texture_target.safetensors + texture_vq.safetensors
+    target = TextureTarget.from_assets(folder)   # texture_target.safetensors + texture_vq.safetensors in folder
 
 Everything the decoder calls (conditioning with the learned unconditional caption for CFG, the KV
 cache, the 2D rotary positions, decoding pixels through the patch VQ) is `models.toy.ToyTarget`;

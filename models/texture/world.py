@@ -102,9 +102,9 @@ def texture_caption(scene: TextureScene) -> str:
     return f"{listed} on {scene.scale} {scene.tone} {scene.texture}"
 
 
+_POSITION_ALTERNATIVES = "|".join(sorted(POSITIONS, key=len, reverse=True))  # longest first: "top left" before "top"
 _OBJECT = re.compile(
-    r"a (?P<size>\w+) (?P<colour>\w+) (?P<shape>\w+) (?:at|on|in) the (?P<position>top left|top right|bottom left"
-    r"|bottom right|top|bottom|left|right|center)"
+    rf"a (?P<size>\w+) (?P<colour>\w+) (?P<shape>\w+) (?:at|on|in) the (?P<position>{_POSITION_ALTERNATIVES})"
 )
 _TEXTURE = re.compile(r" on (?P<scale>\w+) (?P<tone>\w+) (?P<texture>\w+)$")
 
