@@ -8,19 +8,49 @@ pixels for prompt fidelity and FID-style features (`metrics`), the training of a
 `python -m models.toy.train`) and the shipped weights with their model card (`assets/`).
 
 The rest of the project sees the target through the registry (`load_target("toy")`) and uses only
-the names below; no module outside this package imports its submodules (tests/test_imports.py).
+the names below (the texture world, `models/texture/`, builds on several of them); no module outside
+this package imports its submodules (tests/test_imports.py).
 """
 
 from __future__ import annotations
 
 from models.toy.metrics import SceneFeatures, SceneReader, frechet_distance
-from models.toy.scenes import render_dataset, render_scene, toy_captions
+from models.toy.model import CaptionEncoderConfig, ToyTextToImage
+from models.toy.scenes import cell_centre, render_dataset, render_scene, shape_mask, toy_captions
 from models.toy.target import ASSETS, ToyTarget
-from models.toy.world import IMAGE_SIZE, parse_caption
+from models.toy.train import atomic_save, learning_rate, target_loss
+from models.toy.vq import PatchVQ, reconstruction_error
+from models.toy.world import (
+    COLOURS,
+    IMAGE_SIZE,
+    PAD_WORD,
+    POSITION_PHRASES,
+    POSITIONS,
+    UNKNOWN_WORD,
+    is_held_out,
+    normalise_caption,
+    parse_caption,
+)
 
 __all__ = [
     "ASSETS",
+    "COLOURS",
     "IMAGE_SIZE",
+    "PAD_WORD",
+    "POSITIONS",
+    "POSITION_PHRASES",
+    "UNKNOWN_WORD",
+    "CaptionEncoderConfig",
+    "PatchVQ",
+    "ToyTextToImage",
+    "atomic_save",
+    "cell_centre",
+    "is_held_out",
+    "learning_rate",
+    "normalise_caption",
+    "reconstruction_error",
+    "shape_mask",
+    "target_loss",
     "SceneFeatures",
     "SceneReader",
     "ToyTarget",

@@ -33,6 +33,8 @@ class CaptionEncoderConfig:
 
     vocab_size: int = len(WORDS)
     """Number of words, padding included."""
+    words: tuple[str, ...] = WORDS
+    """The word list, padding (index 0) and unknown (index 1) first: the toy grammar's, or another world's."""
     num_slots: int = MAX_CAPTION_WORDS
     """Caption slots C (words, left-padded)."""
     dim: int = 128
@@ -48,7 +50,10 @@ class CaptionEncoder(nn.Module):
 
     def __init__(self, config: CaptionEncoderConfig) -> None:
         super().__init__()
+        if len(config.words) != config.vocab_size:
+            raise ValueError(f"caption encoder: vocab_size {config.vocab_size} != {len(config.words)} words")
         self.config = config
+        self.word_index = {word: i for i, word in enumerate(config.words)}
         self.word_embedding = nn.Embedding(config.vocab_size, config.dim)
         self.slot_embedding = nn.Parameter(torch.randn(config.num_slots, config.dim) * 0.02)
         layer = nn.TransformerEncoderLayer(
@@ -65,7 +70,9 @@ class CaptionEncoder(nn.Module):
 
     def tokenize(self, captions: list[str]) -> tuple[Tensor, Tensor]:
         """Captions -> (word ids (B, C) int64, valid (B, C) bool) on this encoder's device."""
-        ids, lengths = zip(*(caption_word_ids(c, self.config.num_slots) for c in captions), strict=True)
+        ids, lengths = zip(
+            *(caption_word_ids(c, self.config.num_slots, self.word_index) for c in captions), strict=True
+        )
         device = self.slot_embedding.device
         word_ids = torch.tensor(ids, dtype=torch.long, device=device)
         slots = torch.arange(self.config.num_slots, device=device)
@@ -133,8 +140,10 @@ class ToyTextToImage(nn.Module):
             metadata = handle.metadata() or {}
         if "caption_encoder" not in metadata or "gpt" not in metadata:
             raise ValueError(f"{path} lacks the 'caption_encoder'/'gpt' config metadata of ToyTextToImage.save")
+        encoder_fields = json.loads(metadata["caption_encoder"])
+        encoder_fields["words"] = tuple(encoder_fields.get("words", WORDS))  # files older than the field: toy words
         gpt_fields = json.loads(metadata["gpt"])
         gpt_fields["aux_layer_ids"] = tuple(gpt_fields["aux_layer_ids"])
-        model = cls(CaptionEncoderConfig(**json.loads(metadata["caption_encoder"])), LlamaGenConfig(**gpt_fields))
+        model = cls(CaptionEncoderConfig(**encoder_fields), LlamaGenConfig(**gpt_fields))
         model.load_state_dict(load_file(str(path)), strict=True)
         return model

@@ -67,7 +67,8 @@ def _batch(vq: PatchVQ, size: int, seed: int, split: str = "train") -> tuple[lis
     return captions, vq.encode(torch.from_numpy(images))
 
 
-def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps to `peak`, then a cosine down to 0.1 x peak at `steps`."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -139,7 +140,7 @@ def train_target(
     began = time.perf_counter() - elapsed
     for step in progress:
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, steps, lr, warmup=100)
+            group["lr"] = learning_rate(step, steps, lr, warmup=100)
         captions, tokens = _batch(vq, batch_size, seed=seed * 1_000_003 + step)
         loss = target_loss(model, captions, tokens, dropout=0.1, generator=generator)
         optimizer.zero_grad(set_to_none=True)
@@ -154,7 +155,7 @@ def train_target(
                 model.train()
             history.append((step + 1, loss.item(), held_out))
             tqdm.write(f"step {step + 1}: train loss {loss.item():.4f}, held-out loss {held_out:.4f}")
-            _atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "generator": generator.get_state(), "step": step + 1,
                           "elapsed": time.perf_counter() - began, "history": history}, partial)  # fmt: skip
     train_seconds = time.perf_counter() - began
@@ -183,7 +184,7 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
     progress = tqdm(range(steps), desc="scene reader")
     for step in progress:
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, steps, 2e-3, warmup=50)
+            group["lr"] = learning_rate(step, steps, 2e-3, warmup=50)
         captions, images = render_dataset(batch_size, seed=seed * 7_000_003 + step, split="any")
         pixels = torch.from_numpy(images)
         half = batch_size // 2  # half of every batch goes through the VQ, as generated images do
@@ -202,7 +203,8 @@ def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int 
     reader.save(out / "scene_reader.safetensors")
 
 
-def _atomic_save(obj: object, path: Path) -> None:
+def atomic_save(obj: object, path: Path) -> None:
+    """`torch.save` to a temporary file, then rename it over `path`, so a killed run never leaves half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)

@@ -117,8 +117,13 @@ class PatchVQ(nn.Module):
         return vq
 
 
-def nearest_code(points: Tensor, codebook: Tensor, chunk: int = 65536) -> Tensor:
-    """Index of the nearest codebook row for each point. (N, C), (K, C) -> (N,) int64."""
+def nearest_code(points: Tensor, codebook: Tensor, chunk: int | None = None) -> Tensor:
+    """Index of the nearest codebook row for each point. (N, C), (K, C) -> (N,) int64.
+
+    Points go `chunk` at a time; by default as many as keep each (chunk, K) distance block near
+    2^26 entries (256 MB), so an 8192-code fit does not hold tens of GB at once.
+    """
+    chunk = chunk or max(1024, 2**26 // codebook.shape[0])
     codebook_sq = codebook.pow(2).sum(-1)  # (K,)
     out = []
     for start in range(0, points.shape[0], chunk):

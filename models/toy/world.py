@@ -164,8 +164,12 @@ def is_held_out(caption: str) -> bool:
     return int(digest[:8], 16) % HELD_OUT_BUCKETS == 0
 
 
-def caption_word_ids(text: str, length: int = MAX_CAPTION_WORDS) -> tuple[list[int], int]:
+def caption_word_ids(
+    text: str, length: int = MAX_CAPTION_WORDS, word_index: dict[str, int] | None = None
+) -> tuple[list[int], int]:
     """Word ids of a caption, left-padded to `length` as LlamaGen left-pads T5 features.
+
+    `word_index` maps words to ids (padding 0, unknown 1); None means the toy grammar's `WORD_INDEX`.
 
     Returns:
         (ids, num_valid): `length` ids whose last `num_valid` are the caption's words.
@@ -176,5 +180,6 @@ def caption_word_ids(text: str, length: int = MAX_CAPTION_WORDS) -> tuple[list[i
     words = normalise_caption(text).split()
     if len(words) > length:
         raise ValueError(f"caption has {len(words)} words, more than the {length} caption slots: {text!r}")
-    ids = [WORD_INDEX.get(word, WORD_INDEX[UNKNOWN_WORD]) for word in words]
-    return [WORD_INDEX[PAD_WORD]] * (length - len(ids)) + ids, len(ids)
+    index = WORD_INDEX if word_index is None else word_index
+    ids = [index.get(word, index[UNKNOWN_WORD]) for word in words]
+    return [index[PAD_WORD]] * (length - len(ids)) + ids, len(ids)

@@ -1,0 +1,123 @@
+"""The texture world: its caption grammar and held-out split, deterministic drawing, and a tiny target end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from inference.decoding.autoregressive import generate_ar
+from inference.evaluation.world_calibrate import token_statistics
+from models.texture import (
+    IMAGE_SIZE,
+    TextureTarget,
+    network_from_checkpoint,
+    parse_texture_caption,
+    render_texture_dataset,
+    texture_caption,
+    texture_captions,
+)
+from models.texture.model import TEXTURE_GPT_CONFIG
+from models.texture.scenes import FREQUENCY_BANDS, render_texture_scene, texture_field
+from models.texture.target import TARGET_FILE
+from models.texture.train import PARTIAL_FILE, TargetRun, train_texture_target, train_texture_vq
+from models.texture.world import MAX_CAPTION_WORDS, WORDS, TexturedObject, TextureScene
+from models.toy import COLOURS, is_held_out
+
+TINY_GPT = dataclasses.replace(
+    TEXTURE_GPT_CONFIG, dim=16, caption_dim=16, num_layers=4, multiple_of=16, aux_layer_ids=None
+)
+
+
+def test_captions_parse_back_and_respect_the_held_out_split():
+    train, held_out = texture_captions(300, seed=3), texture_captions(40, seed=3, split="heldout")
+    assert not any(is_held_out(c) for c in train) and all(is_held_out(c) for c in held_out)
+    for caption in train + held_out:
+        assert texture_caption(parse_texture_caption(caption)) == caption
+        words = caption.split()
+        assert len(words) <= MAX_CAPTION_WORDS and set(words) <= set(WORDS), caption
+    share = np.mean([is_held_out(c) for c in texture_captions(2000, seed=4, split="any")])
+    assert 0.03 < share < 0.08  # one caption in 20
+
+
+def test_bad_captions_and_scenes_name_the_problem():
+    with pytest.raises(ValueError, match=r"does not end with 'on <fine\|coarse> <tone> <texture>'"):
+        parse_texture_caption("a small red circle at the top left on a plain blue background")
+    with pytest.raises(ValueError, match=r"unknown texture 'velvet'; the texture world knows clouds"):
+        TextureScene((TexturedObject("red", "circle", "small", "top"),), "velvet", "fine", "grey")
+    with pytest.raises(ValueError, match="two objects share a position"):
+        TextureScene((TexturedObject("red", "circle", "small", "top"),) * 2, "wood", "fine", "grey")
+
+
+def test_scenes_are_fixed_by_the_seed_and_objects_are_drawn_where_and_how_the_caption_says():
+    captions, images = render_texture_dataset(6, seed=11)
+    again_captions, again = render_texture_dataset(6, seed=11)
+    assert captions == again_captions and np.array_equal(images, again)
+    assert images.shape == (6, IMAGE_SIZE, IMAGE_SIZE, 3) and images.dtype == np.uint8
+    assert not np.array_equal(images, render_texture_dataset(6, seed=12)[1])
+    scene = TextureScene((TexturedObject("red", "square", "large", "center"),), "sand", "fine", "blue")
+    pixels = render_texture_scene(scene, np.random.default_rng(0)).astype(float)
+    core = pixels[20:28, 20:28].mean(axis=(0, 1))  # the middle of the centre cell: the square, shaded
+    red = np.asarray(COLOURS["red"], dtype=float)
+    assert np.dot(core, red) / (np.linalg.norm(core) * np.linalg.norm(red)) > 0.98
+    corner = pixels[:8, :8].mean(axis=(0, 1))  # texture only: bluish grey
+    assert corner[2] > corner[0]
+
+
+def test_textures_are_smooth_at_coarse_scale_and_vary_from_image_to_image():
+    """Codes must depend on their neighbours: neighbouring texture pixels correlate, and each image draws its own
+    frequency and phase, so two draws of one caption differ."""
+    low, high = FREQUENCY_BANDS["coarse"]
+    for texture in ("clouds", "marble", "wood"):
+        field = texture_field(texture, (low + high) / 2, 0.3, np.random.default_rng(1), IMAGE_SIZE)
+        neighbour = np.corrcoef(field[:, :-1].ravel(), field[:, 1:].ravel())[0, 1]
+        assert neighbour > 0.7, (texture, neighbour)
+    scene = TextureScene((TexturedObject("red", "circle", "small", "top"),), "clouds", "coarse", "grey")
+    first, second = (render_texture_scene(scene, np.random.default_rng(seed)) for seed in (0, 1))
+    assert np.abs(first[32:].astype(float) - second[32:].astype(float)).mean() > 5
+
+
+def _tiny_world(folder, steps: int, max_minutes: float | None = None):
+    folder.mkdir(parents=True, exist_ok=True)
+    vq = train_texture_vq(folder, seed=0, num_codes=32, num_images=20, iterations=3)
+    run = TargetRun(steps, batch_size=2, warmup=2, gpt_config=TINY_GPT, eval_every=3, checkpoint_every=2)
+    return vq, train_texture_target(folder, vq, run, max_minutes=max_minutes)
+
+
+def test_target_training_resumes_to_the_same_weights_and_loads_as_a_target(tmp_path):
+    _, straight = _tiny_world(tmp_path / "straight", steps=4)
+    assert straight is not None and not (tmp_path / "straight" / PARTIAL_FILE).exists()
+    vq, stopped = _tiny_world(tmp_path / "resumed", steps=4, max_minutes=0.0)  # stops after one step
+    assert stopped is None
+    partial = network_from_checkpoint(tmp_path / "resumed" / PARTIAL_FILE)
+    assert partial.gpt.config.vocab_size == 32
+    _, resumed = _tiny_world(tmp_path / "resumed", steps=4)
+    assert resumed is not None
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    target = TextureTarget.from_assets(tmp_path / "resumed")
+    assert target.name == "texture" and target.geometry.num_tokens == 144
+    # a second round starts from finished weights (at learning rate 0 they stay as they were)
+    second = TargetRun(1, batch_size=2, lr=0.0, warmup=1, seed=5, gpt_config=TINY_GPT)
+    again = train_texture_target(tmp_path / "round2", vq, second, init_from=tmp_path / "resumed" / TARGET_FILE)
+    assert again is not None
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), again.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_tiny_target_samples_images_and_the_calibration_reads_the_distributions_it_drew_from(tmp_path):
+    vq, network = _tiny_world(tmp_path, steps=2)
+    target = TextureTarget(network, vq)
+    prompts = texture_captions(3, seed=0, split="heldout")
+    generation = generate_ar(target, prompts, generator=torch.Generator().manual_seed(0))
+    assert generation.tokens.shape == (3, 144)
+    assert target.decode_images(generation.tokens).shape == (3, IMAGE_SIZE, IMAGE_SIZE, 3)
+    settings = dataclasses.replace(target.sampling, top_k=8)
+    stats, tokens = token_statistics(target, prompts, settings, seed=0, batch_size=2)
+    assert tokens.shape == (3, 144)
+    # the one-pass recomputation agrees with what AR decoding measured step by step
+    assert stats["mean_entropy"] == pytest.approx(stats["ar_mean_entropy"], abs=1e-3)
+    assert 0 < stats["mean_entropy"] <= np.log(8) + 1e-4
+    assert 0 <= stats["share_top1_below_0.05"] <= 1 and stats["mean_top1"] >= 1 / 8
