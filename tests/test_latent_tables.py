@@ -18,7 +18,8 @@ from inference.decoding.rules import GSDRule, LanternRule
 from inference.decoding.speculative import DecoderConfig, generate_speculative
 from inference.decoding.verify import build_latent_neighbours
 from inference.measure.step_latency import stand_in_latent_table
-from models.lumina import LuminaTarget, layout_rows
+from models.lumina import LuminaTarget
+from models.lumina_layout import layout_rows
 from models.target import ImageTarget
 
 FAMILIES = {

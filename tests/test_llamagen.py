@@ -124,7 +124,7 @@ def test_rotary_table_zeroes_caption_slots_and_rotates_rows_then_columns():
 
 
 def _official_key_shapes(config: LlamaGenConfig) -> dict[str, tuple[int, ...]]:
-    """The t2i GPT key table of the official checkpoints (targets.md section 3), at `config`'s sizes."""
+    """The t2i GPT key table of the official checkpoints (their state dicts' keys), at `config`'s sizes."""
     dim, ffn, caption = config.dim, config.ffn_dim, config.caption_dim
     shapes = {
         "cls_embedding.cap_proj.fc1.weight": (dim, caption),

@@ -21,7 +21,8 @@ from inference.decoding.sampling import combine_cfg
 from inference.decoding.speculative import DecoderConfig, generate_speculative
 from inference.decoding.verify import ExactRule
 from models import registry
-from models.lumina import END_OF_TURN, PROMPT_TEMPLATE, LuminaTarget
+from models.lumina import LuminaTarget
+from models.lumina_layout import END_OF_TURN, PROMPT_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
 
