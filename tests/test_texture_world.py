@@ -23,8 +23,8 @@ from models.texture.model import TEXTURE_GPT_CONFIG
 from models.texture.scenes import FREQUENCY_BANDS, render_texture_scene, texture_field
 from models.texture.target import TARGET_FILE
 from models.texture.train import PARTIAL_FILE, TargetRun, train_texture_target, train_texture_vq
-from models.texture.world import MAX_CAPTION_WORDS, WORDS, TexturedObject, TextureScene
-from models.toy import COLOURS, is_held_out
+from models.texture.world import MAX_CAPTION_WORDS, WORDS, TextureScene
+from models.toy import COLOURS, ShapeSpec, is_held_out
 
 TINY_GPT = dataclasses.replace(
     TEXTURE_GPT_CONFIG, dim=16, caption_dim=16, num_layers=4, multiple_of=16, aux_layer_ids=None
@@ -46,9 +46,9 @@ def test_bad_captions_and_scenes_name_the_problem():
     with pytest.raises(ValueError, match=r"does not end with 'on <fine\|coarse> <tone> <texture>'"):
         parse_texture_caption("a small red circle at the top left on a plain blue background")
     with pytest.raises(ValueError, match=r"unknown texture 'velvet'; the texture world knows clouds"):
-        TextureScene((TexturedObject("red", "circle", "small", "top"),), "velvet", "fine", "grey")
+        TextureScene((ShapeSpec("red", "circle", "small", "top"),), "velvet", "fine", "grey")
     with pytest.raises(ValueError, match="two objects share a position"):
-        TextureScene((TexturedObject("red", "circle", "small", "top"),) * 2, "wood", "fine", "grey")
+        TextureScene((ShapeSpec("red", "circle", "small", "top"),) * 2, "wood", "fine", "grey")
 
 
 def test_scenes_are_fixed_by_the_seed_and_objects_are_drawn_where_and_how_the_caption_says():
@@ -57,7 +57,7 @@ def test_scenes_are_fixed_by_the_seed_and_objects_are_drawn_where_and_how_the_ca
     assert captions == again_captions and np.array_equal(images, again)
     assert images.shape == (6, IMAGE_SIZE, IMAGE_SIZE, 3) and images.dtype == np.uint8
     assert not np.array_equal(images, render_texture_dataset(6, seed=12)[1])
-    scene = TextureScene((TexturedObject("red", "square", "large", "center"),), "sand", "fine", "blue")
+    scene = TextureScene((ShapeSpec("red", "square", "large", "center"),), "sand", "fine", "blue")
     pixels = render_texture_scene(scene, np.random.default_rng(0)).astype(float)
     core = pixels[20:28, 20:28].mean(axis=(0, 1))  # the middle of the centre cell: the square, shaded
     red = np.asarray(COLOURS["red"], dtype=float)
@@ -74,7 +74,7 @@ def test_textures_are_smooth_at_coarse_scale_and_vary_from_image_to_image():
         field = texture_field(texture, (low + high) / 2, 0.3, np.random.default_rng(1), IMAGE_SIZE)
         neighbour = np.corrcoef(field[:, :-1].ravel(), field[:, 1:].ravel())[0, 1]
         assert neighbour > 0.7, (texture, neighbour)
-    scene = TextureScene((TexturedObject("red", "circle", "small", "top"),), "clouds", "coarse", "grey")
+    scene = TextureScene((ShapeSpec("red", "circle", "small", "top"),), "clouds", "coarse", "grey")
     first, second = (render_texture_scene(scene, np.random.default_rng(seed)) for seed in (0, 1))
     assert np.abs(first[32:].astype(float) - second[32:].astype(float)).mean() > 5
 

@@ -31,7 +31,7 @@ from models.texture.world import (
     TEXTURE_COLOURS,
     TEXTURE_SCALES,
     TEXTURES,
-    TexturedObject,
+    ShapeSpec,
     TextureScene,
     texture_caption,
 )
@@ -172,7 +172,7 @@ def sample_texture_scene(rng: np.random.Generator, split: str = "train") -> Text
         count = int(rng.choice(np.arange(1, MAX_OBJECTS + 1), p=OBJECT_COUNT_PROBABILITIES))
         cells = rng.choice(len(POSITIONS), size=count, replace=False)
         objects = tuple(
-            TexturedObject(
+            ShapeSpec(
                 colour=OBJECT_COLOURS[rng.integers(len(OBJECT_COLOURS))],
                 shape=OBJECT_SHAPES[rng.integers(len(OBJECT_SHAPES))],
                 size=OBJECT_SIZES[rng.integers(len(OBJECT_SIZES))],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.toy import COLOURS, PAD_WORD, POSITION_PHRASES, POSITIONS, UNKNOWN_WORD, normalise_caption
+from models.toy import COLOURS, PAD_WORD, POSITION_PHRASES, POSITIONS, UNKNOWN_WORD, ShapeSpec, normalise_caption
 
 IMAGE_SIZE = 48
 PATCH_SIZE = 4  # 12 x 12 = 144 tokens
@@ -49,20 +49,10 @@ MAX_CAPTION_WORDS = 32
 
 
 @dataclass(frozen=True)
-class TexturedObject:
-    """One object of a scene."""
-
-    colour: str
-    shape: str
-    size: str
-    position: str
-
-
-@dataclass(frozen=True)
 class TextureScene:
     """What a caption says: the objects (in reading order of their positions) and the background texture."""
 
-    objects: tuple[TexturedObject, ...]
+    objects: tuple[ShapeSpec, ...]
     texture: str
     scale: str
     tone: str
@@ -119,7 +109,7 @@ def parse_texture_caption(text: str) -> TextureScene:
     texture = _TEXTURE.search(caption)
     if texture is None:
         raise ValueError(f"caption {text!r} does not end with 'on <fine|coarse> <tone> <texture>'")
-    found = [TexturedObject(m["colour"], m["shape"], m["size"], m["position"]) for m in _OBJECT.finditer(caption)]
+    found = [ShapeSpec(m["colour"], m["shape"], m["size"], m["position"]) for m in _OBJECT.finditer(caption)]
     if not found:
         raise ValueError(f"caption {text!r} names no object like 'a small red circle at the top left'")
     scene = TextureScene(tuple(found), texture["texture"], texture["scale"], texture["tone"])
