@@ -121,3 +121,40 @@ def test_tiny_target_samples_images_and_the_calibration_reads_the_distributions_
     assert stats["mean_entropy"] == pytest.approx(stats["ar_mean_entropy"], abs=1e-3)
     assert 0 < stats["mean_entropy"] <= np.log(8) + 1e-4
     assert 0 <= stats["share_top1_below_0.05"] <= 1 and stats["mean_top1"] >= 1 / 8
+
+
+def test_scene_reader_labels_every_attribute_and_a_match_needs_all_of_them():
+    from models.texture.reader import TextureSceneReader
+
+    captions = [
+        "a large red circle at the top left and a small blue square in the center on coarse brown wood",
+        "a small green triangle at the bottom right on fine grey marble",
+    ]
+    reader = TextureSceneReader()
+    labels = reader.labels(captions)
+    assert labels["present"].tolist() == [[1, 0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    assert labels["colour"][0, 0] == 0 and labels["shape"][1, 8] == 2 and labels["size"][0, 4] == 0
+    assert labels["colour"][0, 1] == -100  # nothing at the top centre: its attributes are ignored
+    assert labels["texture"].tolist() == [2, 1] and labels["scale"].tolist() == [1, 0]
+    assert labels["tone"].tolist() == [0, 1]
+    logits = reader(torch.zeros(2, IMAGE_SIZE, IMAGE_SIZE, 3, dtype=torch.uint8))
+    assert logits["present"].shape == (2, 9, 2) and logits["shape"].shape == (2, 9, 3)
+    assert logits["texture"].shape == (2, 5) and logits["tone"].shape == (2, 4)
+    assert reader.embed(torch.zeros(2, IMAGE_SIZE, IMAGE_SIZE, 3, dtype=torch.uint8)).shape == (2, 256)
+    assert torch.isfinite(reader.loss(torch.zeros(2, IMAGE_SIZE, IMAGE_SIZE, 3, dtype=torch.uint8), labels))
+
+    images = torch.zeros(2, IMAGE_SIZE, IMAGE_SIZE, 3, dtype=torch.uint8)
+    perfect = {name: value.clamp_min(0) for name, value in labels.items()}  # what the captions say, read back
+    reader.read = lambda _images: perfect  # type: ignore[method-assign]
+    assert reader.matches(images, captions).tolist() == [True, True]
+    for name, row, cell in (("tone", 1, None), ("scale", 0, None), ("shape", 1, 8), ("present", 0, 2)):
+        wrong = {key: value.clone() for key, value in perfect.items()}
+        if cell is None:
+            wrong[name][row] += 1
+        else:
+            wrong[name][row, cell] = 1 - wrong[name][row, cell] if name == "present" else wrong[name][row, cell] + 1
+        reader.read = lambda _images, wrong=wrong: wrong  # type: ignore[method-assign]
+        assert reader.matches(images, captions)[row].item() is False, name
+        assert reader.matches(images, captions)[1 - row].item() is True, name
+    errors = reader.attribute_errors(images, captions)
+    assert errors["spurious"] == 0.5 and errors["tone"] == 0.0  # the last planted error: a spurious object

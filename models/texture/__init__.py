@@ -7,7 +7,8 @@ changes what is drawn: shaded, soft-edged objects spanning many tokens over proc
 (clouds, marble, wood, sand, granite) whose frequency, orientation, contrast and phase are drawn per
 image, on a 48 x 48 canvas of 4 x 4 patches (144 tokens) with an 8192-code codebook full of
 near-duplicates. Parts: the caption grammar (`world`, one caption in 20 held out by hash), scene
-drawing (`scenes`), the network sizes (`model`), the target (`target`), training
+drawing (`scenes`), the network sizes (`model`), the target (`target`), the scene reader for prompt
+fidelity and FID-style features (`reader`), training
 (`python -m models.texture.train`) and the shipped VQ with the model card (`assets/`; the target
 is not shipped yet: see the card). `python -m inference.evaluation.world_calibrate` measures a
 target's entropy and top-1 at its default sampling.
@@ -18,6 +19,7 @@ Code outside this package uses only the names below.
 from __future__ import annotations
 
 from models.texture.model import network_from_checkpoint
+from models.texture.reader import READER_FILE, TextureSceneReader
 from models.texture.scenes import render_texture_dataset, render_texture_scene, texture_captions
 from models.texture.target import ASSETS, TEXTURE_SAMPLING, TextureTarget
 from models.texture.world import IMAGE_SIZE, TextureScene, parse_texture_caption, texture_caption
@@ -27,11 +29,21 @@ __all__ = [
     "IMAGE_SIZE",
     "TEXTURE_SAMPLING",
     "TextureScene",
+    "TextureSceneReader",
     "TextureTarget",
     "network_from_checkpoint",
     "parse_texture_caption",
     "render_texture_dataset",
     "render_texture_scene",
+    "scene_reader",
     "texture_caption",
     "texture_captions",
 ]
+
+
+def scene_reader() -> TextureSceneReader:
+    """The shipped scene reader (`assets/texture_reader.safetensors`): prompt fidelity and FID-style features."""
+    path = ASSETS / READER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; train it with `python -m models.texture.train --stage reader`")
+    return TextureSceneReader.load(path)

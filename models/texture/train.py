@@ -1,8 +1,9 @@
-"""Train the texture world's models: the patch VQ and the text-to-image target.
+"""Train the texture world's models: the patch VQ, the text-to-image target and the scene reader.
 
     python -m models.texture.train --stage vq --out models/texture/assets       # 8192 codes, about 9 min
     python -m models.texture.train --stage target --out models/texture/assets \
         --checkpoint-dir /work/runs/texture --max-minutes 60                    # resumable; rerun to go on
+    python -m models.texture.train --stage reader --out models/texture/assets   # needs the VQ
 
 Stages (each writes one safetensors file into --out):
 
@@ -15,7 +16,10 @@ Stages (each writes one safetensors file into --out):
   and at --max-minutes, and the same command resumes it; the schedule (warm-up, cosine to 0.1x) is
   fixed by --steps, so a resumed run sees the same batches and learning rates as an uninterrupted
   one. The final file is written only when the run reaches --steps. `--init-from FILE --seed S`
-  starts a second round (a new schedule, new batches) from finished weights.
+  starts a second round (a new schedule, new batches) from finished weights;
+- `reader`: the scene reader (`models.texture.reader`: prompt fidelity and FID-style features),
+  --reader-steps (1200) of 64 freshly drawn scenes, half of each batch through the VQ ->
+  `texture_reader.safetensors`.
 
 Batches are drawn from seeds derived from (seed, step). Progress lines (step, train loss, held-out
 loss on 128 held-out scenes, minutes) go to stdout, flushed, so `> log` shows them as they come.
@@ -35,9 +39,18 @@ import torch
 
 from models.llamagen import LlamaGenConfig
 from models.texture.model import TEXTURE_GPT_CONFIG, texture_network
+from models.texture.reader import READER_FILE, TextureSceneReader
 from models.texture.scenes import render_texture_dataset
 from models.texture.target import ASSETS, TARGET_FILE, VQ_FILE
-from models.toy import PatchVQ, ToyTextToImage, atomic_save, learning_rate, reconstruction_error, target_loss
+from models.toy import (
+    PatchVQ,
+    ToyTextToImage,
+    atomic_save,
+    fit_scene_reader,
+    learning_rate,
+    reconstruction_error,
+    target_loss,
+)
 
 PARTIAL_FILE = "texture_target.partial.pt"
 CAPTION_DROPOUT = 0.1
@@ -159,9 +172,25 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     return model
 
 
+def train_texture_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 64) -> TextureSceneReader:
+    """Train the scene reader, print its fidelity on held-out ground truth (clean and through the VQ), save it."""
+    torch.manual_seed(seed)
+    reader = TextureSceneReader()
+    began = time.perf_counter()
+    clean, through_vq = fit_scene_reader(
+        reader, lambda count, draw_seed, split: render_texture_dataset(count, seed=draw_seed, split=split),
+        vq, steps, seed, batch_size, description="texture scene reader",
+    )  # fmt: skip
+    minutes = (time.perf_counter() - began) / 60
+    _say(f"reader: {steps} steps of {batch_size} in {minutes:.1f} min; fidelity on 1000 held-out ground-truth "
+         f"scenes {clean:.4f} clean, {through_vq:.4f} through the VQ")  # fmt: skip
+    reader.save(out / READER_FILE)
+    return reader
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["vq", "target", "all"], default="all")
+    parser.add_argument("--stage", choices=["vq", "target", "reader", "all"], default="all")
     parser.add_argument("--out", type=Path, default=ASSETS, help="folder for the safetensors files")
     parser.add_argument("--num-codes", type=int, default=8192, help="--stage vq: codebook size")
     parser.add_argument("--vq-images", type=int, default=1000, help="--stage vq: training scenes for k-means")
@@ -176,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, help="where the resumable checkpoint lives (default --out)")
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--max-minutes", type=float, help="stop (checkpointed, resumable) after this long")
+    parser.add_argument("--reader-steps", type=int, default=1200, help="--stage reader: training steps of 64 scenes")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     args = parser.parse_args(argv)
@@ -194,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         run = TargetRun(args.steps, args.batch_size, args.lr, args.warmup, seed=args.seed, gpt_config=gpt,
                         checkpoint_every=args.checkpoint_every)  # fmt: skip
         train_texture_target(args.out, vq, run, args.checkpoint_dir, args.max_minutes, args.init_from)
+    if args.stage in ("reader", "all"):
+        train_texture_reader(args.out, vq, args.reader_steps, args.seed)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ this package imports its submodules (tests/test_imports.py).
 
 from __future__ import annotations
 
-from models.toy.metrics import SceneFeatures, SceneReader, frechet_distance
+from models.toy.metrics import SceneFeatures, SceneReader, frechet_distance, object_labels
 from models.toy.model import CaptionEncoderConfig, ToyTextToImage
 from models.toy.scenes import cell_centre, render_dataset, render_scene, shape_mask, toy_captions
 from models.toy.target import ASSETS, ToyTarget
-from models.toy.train import atomic_save, learning_rate, target_loss
+from models.toy.train import atomic_save, fit_scene_reader, learning_rate, target_loss
 from models.toy.vq import PatchVQ, reconstruction_error
 from models.toy.world import (
     COLOURS,
@@ -47,9 +47,11 @@ __all__ = [
     "ToyTextToImage",
     "atomic_save",
     "cell_centre",
+    "fit_scene_reader",
     "is_held_out",
     "learning_rate",
     "normalise_caption",
+    "object_labels",
     "reconstruction_error",
     "shape_mask",
     "target_loss",

@@ -11,12 +11,13 @@ passed through the VQ so that it reads decoded images as well as clean ones.
 - The FID-style distance is torchmetrics' `FrechetInceptionDistance` with the reader's 256-d
   embedding as the feature network (nothing is downloaded).
 
-Shapes: B images of 36 x 36 RGB, P = 9 positions.
+Shapes: B images of S x S RGB (36 x 36 in the toy world), P = 9 positions.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -26,73 +27,106 @@ from torch import Tensor, nn
 from models.toy.world import BACKGROUNDS, COLOUR_NAMES, IMAGE_SIZE, POSITIONS, SHAPES, SIZES, parse_caption
 
 NUM_POSITIONS = len(POSITIONS)
-# Per position: presence (2), colour, shape kind, size; then background kind and colour.
-_CELL_WIDTH = 2 + len(COLOUR_NAMES) + len(SHAPES) + len(SIZES)
-_HEAD_WIDTH = NUM_POSITIONS * _CELL_WIDTH + len(BACKGROUNDS) + len(COLOUR_NAMES)
 IGNORE = -100
 
 
+def object_labels(scenes: list[tuple[dict[str, int], ...]], batch: int) -> dict[str, Tensor]:
+    """Per-position object labels: `scenes[b]` lists scene b's objects as {"position": cell, "colour": i, ...}.
+
+    Returns present (B, P) 0/1 and, for every other key of the objects, (B, P) indices with IGNORE (-100) at
+    positions without an object.
+    """
+    names = {name for objects in scenes for item in objects for name in item if name != "position"}
+    labels = {name: torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long) for name in sorted(names)}
+    labels["present"] = torch.zeros(batch, NUM_POSITIONS, dtype=torch.long)
+    for row, objects in enumerate(scenes):
+        for item in objects:
+            labels["present"][row, item["position"]] = 1
+            for name, value in item.items():
+                if name != "position":
+                    labels[name][row, item["position"]] = value
+    return labels
+
+
 def scene_labels(captions: list[str]) -> dict[str, Tensor]:
-    """Attribute labels of captions: present/colour/shape/size (B, P), background/background_colour (B,).
+    """Toy attribute labels of captions: present/colour/shape/size (B, P), background/background_colour (B,).
 
     Colour, shape and size are IGNORE (-100) at positions without a shape.
     """
-    batch = len(captions)
-    labels = {
-        name: torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long) for name in ("colour", "shape", "size")
-    }
-    labels["present"] = torch.zeros(batch, NUM_POSITIONS, dtype=torch.long)
-    labels["background"] = torch.empty(batch, dtype=torch.long)
-    labels["background_colour"] = torch.empty(batch, dtype=torch.long)
-    for row, caption in enumerate(captions):
-        scene = parse_caption(caption)
-        for spec in scene.shapes:
-            cell = POSITIONS.index(spec.position)
-            labels["present"][row, cell] = 1
-            labels["colour"][row, cell] = COLOUR_NAMES.index(spec.colour)
-            labels["shape"][row, cell] = SHAPES.index(spec.shape)
-            labels["size"][row, cell] = SIZES.index(spec.size)
-        labels["background"][row] = BACKGROUNDS.index(scene.background)
-        labels["background_colour"][row] = COLOUR_NAMES.index(scene.background_colour)
+    scenes = [parse_caption(caption) for caption in captions]
+    objects = [
+        tuple(
+            {
+                "position": POSITIONS.index(spec.position),
+                "colour": COLOUR_NAMES.index(spec.colour),
+                "shape": SHAPES.index(spec.shape),
+                "size": SIZES.index(spec.size),
+            }  # fmt: skip
+            for spec in scene.shapes
+        )
+        for scene in scenes
+    ]
+    labels = object_labels(objects, len(captions))
+    for name in ("colour", "shape", "size"):  # a batch without any object still gets its (all-ignored) labels
+        labels.setdefault(name, torch.full((len(captions), NUM_POSITIONS), IGNORE, dtype=torch.long))
+    labels["background"] = torch.tensor([BACKGROUNDS.index(s.background) for s in scenes], dtype=torch.long)
+    labels["background_colour"] = torch.tensor([COLOUR_NAMES.index(s.background_colour) for s in scenes])
     return labels
 
 
 class SceneReader(nn.Module):
-    """A small CNN from 36 x 36 RGB to scene attributes and a 256-d embedding."""
+    """A small CNN from S x S RGB to scene attributes and a 256-d embedding (the toy world's: S = 36).
+
+    What a world reads is set by class attributes, so another world subclasses it: `image_size`,
+    `object_heads` (per-position attributes of an object and their class counts; presence is always
+    read), `scene_heads` (whole-image attributes), `feature_layers` (the convolutional stack) and
+    `labels` (captions -> the attribute indices, keyed like the heads).
+    """
 
     embedding_dim = 256
     image_size = IMAGE_SIZE
+    object_heads: dict[str, int] = {"colour": len(COLOUR_NAMES), "shape": len(SHAPES), "size": len(SIZES)}
+    scene_heads: dict[str, int] = {"background": len(BACKGROUNDS), "background_colour": len(COLOUR_NAMES)}
 
     def __init__(self) -> None:
         super().__init__()
-        self.features = nn.Sequential(
+        self.features = nn.Sequential(*self.feature_layers())
+        self.cell_width = 2 + sum(self.object_heads.values())  # presence (2) + each object attribute's classes
+        self.heads = nn.Linear(self.embedding_dim, NUM_POSITIONS * self.cell_width + sum(self.scene_heads.values()))
+
+    def feature_layers(self) -> list[nn.Module]:
+        """(B, 3, S, S) -> (B, 256): two stride-2 stages to S / 4, flattened into the embedding."""
+        return [
             nn.Conv2d(3, 32, 3, padding=1), nn.GELU(),
-            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GELU(),  # 18 x 18
+            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.GELU(),  # S/2
             nn.Conv2d(64, 64, 3, padding=1), nn.GELU(),
-            nn.Conv2d(64, 96, 3, padding=1, stride=2), nn.GELU(),  # 9 x 9
+            nn.Conv2d(64, 96, 3, padding=1, stride=2), nn.GELU(),  # S/4
             nn.Flatten(),
-            nn.Linear(96 * (IMAGE_SIZE // 4) ** 2, self.embedding_dim), nn.GELU(),
-        )  # fmt: skip
-        self.heads = nn.Linear(self.embedding_dim, _HEAD_WIDTH)
+            nn.Linear(96 * (self.image_size // 4) ** 2, self.embedding_dim), nn.GELU(),
+        ]  # fmt: skip
+
+    def labels(self, captions: list[str]) -> dict[str, Tensor]:
+        """The attributes `captions` ask for: present (B, P), each object head (B, P), each scene head (B,)."""
+        return scene_labels(captions)
 
     def embed(self, images: Tensor) -> Tensor:
-        """(B, 36, 36, 3) uint8 -> (B, 256) float embedding."""
-        x = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, 36, 36)
+        """(B, S, S, 3) uint8 -> (B, 256) float embedding."""
+        x = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (B, 3, S, S)
         return self.features(x)
 
     def forward(self, images: Tensor) -> dict[str, Tensor]:
-        """(B, 36, 36, 3) uint8 -> attribute logits: present (B, P, 2), colour (B, P, 8), shape, size,
-        background (B, 4), background_colour (B, 8)."""
+        """(B, S, S, 3) uint8 -> attribute logits: present (B, P, 2), each object head (B, P, classes), each
+        scene head (B, classes)."""
         out = self.heads(self.embed(images))
-        cells, background = out.split([NUM_POSITIONS * _CELL_WIDTH, out.shape[1] - NUM_POSITIONS * _CELL_WIDTH], 1)
-        cells = cells.view(-1, NUM_POSITIONS, _CELL_WIDTH)  # (B, P, cell)
-        present, colour, shape, size = cells.split([2, len(COLOUR_NAMES), len(SHAPES), len(SIZES)], dim=-1)
-        kind, background_colour = background.split([len(BACKGROUNDS), len(COLOUR_NAMES)], dim=-1)
-        return {"present": present, "colour": colour, "shape": shape, "size": size,
-                "background": kind, "background_colour": background_colour}  # fmt: skip
+        cells, scene = out.split([NUM_POSITIONS * self.cell_width, out.shape[1] - NUM_POSITIONS * self.cell_width], 1)
+        cells = cells.view(-1, NUM_POSITIONS, self.cell_width)  # (B, P, cell)
+        present, *objects = cells.split([2, *self.object_heads.values()], dim=-1)
+        logits = {"present": present, **dict(zip(self.object_heads, objects, strict=True))}
+        logits.update(zip(self.scene_heads, scene.split(list(self.scene_heads.values()), dim=-1), strict=True))
+        return logits
 
     def loss(self, images: Tensor, labels: dict[str, Tensor]) -> Tensor:
-        """Sum of the attribute cross-entropies (absent positions ignored for colour/shape/size)."""
+        """Sum of the attribute cross-entropies (absent positions ignored for the object attributes)."""
         logits = self(images)
         return sum(
             (
@@ -104,12 +138,12 @@ class SceneReader(nn.Module):
 
     @torch.no_grad()
     def read(self, images: Tensor) -> dict[str, Tensor]:
-        """Predicted attribute indices, keyed like `scene_labels`."""
+        """Predicted attribute indices, keyed like `labels`."""
         return {name: logits.argmax(-1) for name, logits in self(images).items()}
 
     @torch.no_grad()
     def matches(self, images: Tensor, captions: list[str], batch_size: int = 256) -> Tensor:
-        """Whether each image shows exactly what its caption says. (B, 36, 36, 3) uint8 -> (B,) bool.
+        """Whether each image shows exactly what its caption says. (B, S, S, 3) uint8 -> (B,) bool.
 
         Reads `batch_size` images at a time.
         """
@@ -120,40 +154,34 @@ class SceneReader(nn.Module):
                 self.matches(images[i : i + batch_size], captions[i : i + batch_size], batch_size)
                 for i in range(0, len(captions), batch_size)
             ])  # fmt: skip
-        read, labels = self.read(images), scene_labels(captions)
+        read, labels = self.read(images), self.labels(captions)
         present = labels["present"].bool()
         ok = (read["present"] == labels["present"]).all(1)
-        for name in ("colour", "shape", "size"):
+        for name in self.object_heads:
             ok &= ((read[name] == labels[name]) | ~present).all(1)
-        return (
-            ok
-            & (read["background"] == labels["background"])
-            & (read["background_colour"] == labels["background_colour"])
-        )
+        for name in self.scene_heads:
+            ok &= read[name] == labels[name]
+        return ok
 
     @torch.no_grad()
     def attribute_errors(self, images: Tensor, captions: list[str]) -> dict[str, float]:
         """Which attributes fail: the fraction of images with at least one error of each kind.
 
-        Keys: `spurious` (a shape read where the caption has none), `missing` (a captioned shape not
-        read), `colour`, `shape`, `size` (of a captioned shape that is there), `background`,
-        `background_colour`. An image may count under several keys; prompt fidelity is the share
-        with none. (B, 36, 36, 3) uint8 images.
+        Keys: `spurious` (an object read where the caption has none), `missing` (a captioned object not
+        read), each object head (e.g. `colour`, `shape`, `size`, of a captioned object that is there) and
+        each scene head (e.g. `background`). An image may count under several keys; prompt fidelity is
+        the share with none. (B, S, S, 3) uint8 images.
         """
         if len(captions) != images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
-        read, labels = self.read(images), scene_labels(captions)
+        read, labels = self.read(images), self.labels(captions)
         present = labels["present"].bool()
         read_present = read["present"].bool()
         errors = {
             "spurious": (read_present & ~present).any(1),
             "missing": (~read_present & present).any(1),
-            **{
-                name: ((read[name] != labels[name]) & present & read_present).any(1)
-                for name in ("colour", "shape", "size")
-            },
-            "background": read["background"] != labels["background"],
-            "background_colour": read["background_colour"] != labels["background_colour"],
+            **{name: ((read[name] != labels[name]) & present & read_present).any(1) for name in self.object_heads},
+            **{name: read[name] != labels[name] for name in self.scene_heads},
         }
         return {name: float(wrong.float().mean()) for name, wrong in errors.items()}
 
@@ -165,7 +193,7 @@ class SceneReader(nn.Module):
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path))
 
     @classmethod
-    def load(cls, path: str | Path) -> SceneReader:
+    def load(cls, path: str | Path) -> Self:
         reader = cls()
         reader.load_state_dict(load_file(str(path)), strict=True)
         return reader.eval()
@@ -185,7 +213,7 @@ class SceneFeatures(nn.Module):
 
 @torch.no_grad()
 def frechet_distance(real: Tensor, generated: Tensor, reader: SceneReader) -> float:
-    """FID-style distance between two image sets ((N, 36, 36, 3) uint8 each) in the reader's feature space."""
+    """FID-style distance between two image sets ((N, S, S, 3) uint8 each) in the reader's feature space."""
     from torchmetrics.image.fid import FrechetInceptionDistance  # lazy: torchmetrics takes seconds to import
 
     metric = FrechetInceptionDistance(feature=SceneFeatures(reader), normalize=False)

@@ -37,7 +37,9 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +50,9 @@ from models.toy.model import TOY_GPT_CONFIG, CaptionEncoderConfig, ToyTextToImag
 from models.toy.scenes import render_dataset
 from models.toy.target import ASSETS
 from models.toy.vq import PatchVQ, nearest_code, reconstruction_error
+
+if TYPE_CHECKING:
+    from models.toy.metrics import SceneReader
 
 
 def train_vq(out: Path, seed: int, num_codes: int, num_images: int = 8000) -> PatchVQ:
@@ -169,36 +174,56 @@ def train_target(
     partial.unlink(missing_ok=True)
 
 
-def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128, resume: bool = False) -> None:
-    """Train the scene reader on clean and VQ-round-tripped scenes, then report its accuracy.
+def fit_scene_reader(
+    reader: SceneReader,
+    render: Callable[[int, int, str], tuple[list[str], np.ndarray]],
+    vq: PatchVQ,
+    steps: int,
+    seed: int,
+    batch_size: int = 128,
+    description: str = "scene reader",
+) -> tuple[float, float]:
+    """Train `reader` on freshly drawn scenes of both splits, half of every batch through the VQ.
 
-    With `resume`, training continues from the reader already in `out` (a fresh schedule, new scenes).
+    `render(count, seed, split)` draws captions and (count, S, S, 3) uint8 pixels. Returns the reader's
+    prompt fidelity on 1000 held-out ground-truth scenes, clean and through the VQ (its ceiling).
     """
-    from models.toy.metrics import SceneReader, scene_labels
-
-    torch.manual_seed(seed)
-    reader = SceneReader.load(out / "scene_reader.safetensors").train() if resume else SceneReader()
-    if resume:
-        seed += 1  # draw scenes the first run did not see
+    reader.train()
     optimizer = torch.optim.AdamW(reader.parameters(), lr=2e-3, weight_decay=1e-4)
-    progress = tqdm(range(steps), desc="scene reader")
+    progress = tqdm(range(steps), desc=description)
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, 2e-3, warmup=50)
-        captions, images = render_dataset(batch_size, seed=seed * 7_000_003 + step, split="any")
+        captions, images = render(batch_size, seed * 7_000_003 + step, "any")
         pixels = torch.from_numpy(images)
         half = batch_size // 2  # half of every batch goes through the VQ, as generated images do
         pixels[:half] = vq.decode(vq.encode(pixels[:half]))
-        loss = reader.loss(pixels, scene_labels(captions))
+        loss = reader.loss(pixels, reader.labels(captions))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         progress.set_postfix(loss=f"{loss.item():.4f}")
     reader.eval()
-    captions, images = render_dataset(1000, seed=seed + 99, split="heldout")
+    captions, images = render(1000, seed + 99, "heldout")
     pixels = torch.from_numpy(images)
-    clean = reader.fidelity(pixels, captions)
-    through_vq = reader.fidelity(vq.decode(vq.encode(pixels)), captions)
+    return reader.fidelity(pixels, captions), reader.fidelity(vq.decode(vq.encode(pixels)), captions)
+
+
+def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128, resume: bool = False) -> None:
+    """Train the scene reader on clean and VQ-round-tripped scenes, then report its accuracy.
+
+    With `resume`, training continues from the reader already in `out` (a fresh schedule, new scenes).
+    """
+    from models.toy.metrics import SceneReader
+
+    torch.manual_seed(seed)
+    reader = SceneReader.load(out / "scene_reader.safetensors").train() if resume else SceneReader()
+    if resume:
+        seed += 1  # draw scenes the first run did not see
+    clean, through_vq = fit_scene_reader(
+        reader, lambda count, draw_seed, split: render_dataset(count, seed=draw_seed, split=split),
+        vq, steps, seed, batch_size,
+    )  # fmt: skip
     print(f"reader: fidelity on 1000 held-out ground-truth scenes {clean:.4f} clean, {through_vq:.4f} through the VQ")
     reader.save(out / "scene_reader.safetensors")
 
