@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import models.texture
 import models.toy
 from data.prompts import PromptSetConfig, load_prompts
+from inference.decoding.eagle import check_compatible
 from models.checkpoint_identity import checkpoint_identity
-from models.eagle import drafter_preset
+from models.eagle import EagleDraftModel, drafter_preset
 from models.registry import TARGET_LOADERS, load_target, process_target_options
 from models.texture import TextureTarget, parse_texture_caption
 from models.texture.model import texture_network
 from models.toy import PatchVQ, is_held_out, toy_captions
 from models.worlds import EMBEDDED_WORLDS, caption_world, embedded_world, reading_world
+from training.fit import check_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def test_the_toy_world_is_the_toy_packages_captions_scenes_and_reader() -> None:
@@ -29,7 +35,8 @@ def test_the_toy_world_is_the_toy_packages_captions_scenes_and_reader() -> None:
     assert captions == expected_captions and np.array_equal(images, expected_images)
     reader, shipped = world.scene_reader(), models.toy.scene_reader()
     assert type(reader) is type(shipped)
-    assert all(torch.equal(a, b) for a, b in zip(reader.state_dict().values(), shipped.state_dict().values()))
+    ours, theirs = reader.state_dict(), shipped.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
 def test_real_targets_have_no_world_and_draw_the_toys_captions() -> None:
@@ -85,11 +92,37 @@ def test_texture_target_is_registered_and_names_its_missing_weights(tmp_path: Pa
     assert first.fingerprint is not None and first.mismatch(second) is not None  # hashed by content
 
 
-def test_texture_drafter_preset_fits_a_texture_target() -> None:
+def random_texture_target() -> TextureTarget:
+    """The texture target's architecture with random weights (its trained weights are not shipped yet)."""
     torch.manual_seed(0)
-    target = TextureTarget(texture_network(8192), PatchVQ(num_codes=8192, patch=4, image_size=48))
+    return TextureTarget(texture_network(8192), PatchVQ(num_codes=8192, patch=4, image_size=48))
+
+
+def test_texture_drafter_preset_fits_a_texture_target() -> None:
+    target = random_texture_target()
     config = drafter_preset("texture", "eagle3")
     assert (config.hidden_size, config.target_hidden_size) == (target.hidden_size, target.hidden_size)
     assert config.vocab_size == target.image_vocab_size == 8192
     assert config.num_heads == target.network.gpt.config.num_heads
     assert embedded_world(target.name) is EMBEDDED_WORLDS["texture"]
+    check_compatible(EagleDraftModel(config), target)  # what the decoder checks before drafting
+
+
+def flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.0.c": leaf} of nested mappings and lists."""
+    if isinstance(values, dict | list):
+        items = values.items() if isinstance(values, dict) else enumerate(values)
+        return {k: v for key, value in items for k, v in flatten(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): values}
+
+
+def test_demo_texture_is_the_demo_recipe_for_the_texture_target() -> None:
+    demo, texture = (flatten(yaml.safe_load((CONFIGS / f"{n}.yaml").read_text())) for n in ("demo", "demo_texture"))
+    differing = {key for key in demo.keys() | texture.keys() if demo.get(key) != texture.get(key)}
+    assert differing == {"trainer.logger.init_args.name", "model.target", "model.preset", "data.train_dir",
+                         "data.extract_config"}, differing  # fmt: skip
+    assert texture["model.target"] == texture["model.preset"] == "texture"
+    extraction = yaml.safe_load((CONFIGS / f"{texture['data.extract_config']}.yaml").read_text())
+    assert extraction["target"] == "texture" and extraction["prompts"]["source"] == "texture"
+    system = check_config(["--config", "demo_texture"]).model  # parses and validates; builds nothing heavy
+    check_compatible(EagleDraftModel(system.drafter_config), random_texture_target())
