@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,28 @@ def test_demo_texture_is_the_demo_recipe_for_the_texture_target() -> None:
     assert extraction["target"] == "texture" and extraction["prompts"]["source"] == "texture"
     system = check_config(["--config", "demo_texture"]).model  # parses and validates; builds nothing heavy
     check_compatible(EagleDraftModel(system.drafter_config), random_texture_target())
+
+
+def test_tools_draw_and_read_with_the_targets_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference.evaluation.evaluate import read_captions
+    from inference.measure.report import Quality
+    from training.callbacks import DecodeValidation, held_out_prompts
+
+    target = random_texture_target()
+    assert held_out_prompts(target, 3, 7) == models.texture.texture_captions(3, 7, "heldout")
+    assert read_captions("3", toy_seed=7, target="texture") == models.texture.texture_captions(3, 7, "heldout")
+    assert read_captions("texture", 2, toy_seed=7) == models.texture.texture_captions(2, 7, "heldout")
+    assert read_captions("3", toy_seed=7, target="janus-pro-7b") == toy_captions(3, 7, "heldout")  # as before
+    monkeypatch.delattr(models.texture, "scene_reader", raising=False)  # not shipped: no quality columns
+    assert Quality.for_target(target) is None
+    callback = DecodeValidation()
+    with pytest.warns(UserWarning, match="no decode/fidelity"):
+        assert callback._scene_reader(target) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not retried at every validation
+        assert callback._scene_reader(target) is None
+    reader = object()
+    monkeypatch.setattr(models.texture, "scene_reader", lambda: reader, raising=False)
+    quality = Quality.for_target(target)
+    assert quality is not None and quality.reader is reader
+    assert DecodeValidation()._scene_reader(target) is reader
