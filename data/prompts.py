@@ -1,12 +1,13 @@
-"""Prompt sets: the files shipped in `data/prompts/`, the toy world's caption splits, and Hub datasets.
+"""Prompt sets: the files shipped in `data/prompts/`, the embedded worlds' caption splits, and Hub datasets.
 
     prompts = load_prompts(PromptSetConfig(source="parti"))                 # 1632 PartiPrompts
     prompts = load_prompts(PromptSetConfig(source="toy", count=256, split="train", seed=0))
+    prompts = load_prompts(PromptSetConfig(source="texture", count=256, split="heldout", seed=11))
     prompts = load_prompts(PromptSetConfig(source="file", path="my_prompts.jsonl", column="caption"))
     prompts = load_prompts(PromptSetConfig(source="hf", path="nateraw/parti-prompts", column="Prompt"))
 
-Every prompt carries a stable id (`parti:17`, `coco:4999`, `toy-train-s0:3`, ...) that extraction
-records next to the text, so a sample can always be traced back to its prompt. Licences and
+Every prompt carries a stable id (`parti:17`, `coco:4999`, `toy-train-s0:3`, `texture-heldout-s11:3`, ...)
+that extraction records next to the text, so a sample can always be traced back to its prompt. Licences and
 provenance of the shipped files are in `data/prompts/NOTICE.md`.
 """
 
@@ -17,13 +18,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from models.worlds import EMBEDDED_WORLDS, embedded_world
+
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 BUILTIN_FILES: dict[str, tuple[str, str | None]] = {
     "parti": ("PartiPrompts.tsv", "Prompt"),
     "coco": ("coco2017_val_captions_longest.txt", None),
 }
 """Named prompt sets shipped with the repository: name -> (file in data/prompts/, column)."""
-SOURCES = ("parti", "coco", "toy", "file", "hf")
+WORLD_SOURCES = tuple(EMBEDDED_WORLDS)
+"""Sources drawn from an embedded world's caption grammar (`models.worlds`): toy, texture."""
+SOURCES = ("parti", "coco", *WORLD_SOURCES, "file", "hf")
 
 
 @dataclass(frozen=True)
@@ -39,25 +44,26 @@ class PromptSetConfig:
     """Which prompts to run the target on."""
 
     source: str = "toy"
-    """One of parti, coco (shipped files), toy (caption grammar), file (a .tsv/.txt/.jsonl) or hf (a Hub dataset)."""
+    """One of parti, coco (shipped files), toy, texture (an embedded world's caption grammar), file (a
+    .tsv/.txt/.jsonl) or hf (a Hub dataset)."""
     path: str | None = None
     """source=file: the file; source=hf: the dataset name."""
     column: str | None = None
     """TSV column or JSONL field holding the prompt (default: Prompt / caption_longest / text / prompt)."""
     split: str = "train"
-    """source=toy: train, heldout or any caption split; source=hf: the dataset split."""
+    """source=toy/texture: train, heldout or any caption split; source=hf: the dataset split."""
     count: int | None = None
-    """source=toy: how many captions to draw (required); otherwise keep only the first `count` prompts."""
+    """source=toy/texture: how many captions to draw (required); otherwise keep only the first `count` prompts."""
     seed: int = 0
-    """source=toy: the scene sampler's seed."""
+    """source=toy/texture: the scene sampler's seed."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"prompts.source={self.source!r} is unknown; use one of {', '.join(SOURCES)}")
         if self.source in ("file", "hf") and not self.path:
             raise ValueError(f"prompts.source={self.source} needs prompts.path (a file, or a Hub dataset name)")
-        if self.source == "toy" and self.count is None:
-            raise ValueError("prompts.source=toy needs prompts.count, the number of captions to draw")
+        if self.source in WORLD_SOURCES and self.count is None:
+            raise ValueError(f"prompts.source={self.source} needs prompts.count, the number of captions to draw")
         if self.count is not None and self.count < 1:
             raise ValueError(f"prompts.count must be >= 1, got {self.count}")
 
@@ -109,11 +115,18 @@ def _read_jsonl(path: Path, column: str | None) -> list[tuple[str, str]]:
     return pairs
 
 
+def world_prompts(world: str, count: int, seed: int = 0, split: str = "train") -> list[Prompt]:
+    """`count` captions of the embedded world `world`'s `split` (toy, texture), from its deterministic scene
+    sampler (`models.worlds.EmbeddedWorld.captions`); ids `<world>-<split>-s<seed>:<i>`."""
+    found = embedded_world(world)
+    if found is None:
+        raise ValueError(f"{world!r} is not an embedded world; known: {', '.join(WORLD_SOURCES)}")
+    return [Prompt(f"{world}-{split}-s{seed}:{i}", text) for i, text in enumerate(found.captions(count, seed, split))]
+
+
 def toy_prompts(count: int, seed: int = 0, split: str = "train") -> list[Prompt]:
     """`count` captions of the toy world's `split`, from its deterministic scene sampler (`models.toy.toy_captions`)."""
-    from models.toy import toy_captions
-
-    return [Prompt(f"toy-{split}-s{seed}:{i}", text) for i, text in enumerate(toy_captions(count, seed, split))]
+    return world_prompts("toy", count, seed, split)
 
 
 def hub_prompts(name: str, split: str = "train", column: str | None = None) -> list[Prompt]:
@@ -135,9 +148,9 @@ def hub_prompts(name: str, split: str = "train", column: str | None = None) -> l
 
 def load_prompts(config: PromptSetConfig) -> list[Prompt]:
     """The prompt list `config` describes, in a fixed order (extraction indexes samples by it)."""
-    if config.source == "toy":
+    if config.source in WORLD_SOURCES:
         assert config.count is not None  # checked in __post_init__
-        return toy_prompts(config.count, config.seed, config.split)
+        return world_prompts(config.source, config.count, config.seed, config.split)
     if config.source in BUILTIN_FILES:
         file, column = BUILTIN_FILES[config.source]
         prompts = read_prompt_file(PROMPT_DIR / file, config.column or column, prefix=config.source)

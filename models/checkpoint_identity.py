@@ -16,7 +16,7 @@ Per target (the registry's loader options, `models.registry`):
     janus-pro-7b, lumina-mgpt-7b   `path`; None = $JANUS_PRO_PATH / $LUMINA_MGPT_PATH, else the hub id
     llamagen-xl                    `gpt_checkpoint`, `vq_checkpoint`, `t5_path`, `preset`, `folder`
                                    (None = $LLAMAGEN_DIR, else `pretrained_models`), as the loader resolves them
-    toy                            `folder`: sha256 of its two asset files' bytes (they are small)
+    toy, texture                   `folder`: sha256 of its two asset files' bytes (they are small)
     random_weights: "real"/"tiny"  "random:<size>" (the same seeded architecture every time)
     any other name                 the name and its options, fingerprint None (a target registered by a test)
 
@@ -33,6 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+EMBEDDED_ASSETS = {  # embedded world -> its target and VQ files (models.toy.target, models.texture.target)
+    "toy": ("toy_target.safetensors", "toy_vq.safetensors"),
+    "texture": ("texture_target.safetensors", "texture_vq.safetensors"),
+}
 PATH_ENV = {"janus-pro-7b": "JANUS_PRO_PATH", "lumina-mgpt-7b": "LUMINA_MGPT_PATH"}
 """Environment variable a target's `path` falls back to when the options leave it unset."""
 HUB_IDS = {"janus-pro-7b": "deepseek-community/Janus-Pro-7B", "lumina-mgpt-7b": "Alpha-VLLM/Lumina-mGPT-7B-768"}
@@ -88,8 +92,8 @@ def checkpoint_identity(target: str, options: dict[str, Any] | None = None) -> C
         return _folder_or_hub(resolve_path(target, options.get("path")))
     if target == "llamagen-xl":
         return _llamagen(options)
-    if target == "toy":
-        return _toy(options.get("folder"))
+    if target in EMBEDDED_ASSETS:
+        return _embedded(target, options.get("folder"))
     shown = json.dumps(options, sort_keys=True, default=str)
     return CheckpointIdentity(f"{target} {shown}" if options else target)
 
@@ -173,15 +177,15 @@ def _llamagen(options: dict[str, Any]) -> CheckpointIdentity:
     return CheckpointIdentity(";".join(sources), ",".join(revisions) or None, fingerprint)
 
 
-def _toy(folder: str | None) -> CheckpointIdentity:
-    """The toy target's two asset files (a few hundred KB): hashed by content."""
+def _embedded(target: str, folder: str | None) -> CheckpointIdentity:
+    """An embedded world's two asset files (a few MB at most): hashed by content."""
     if folder is None:
-        from models.toy import ASSETS
+        from models import texture, toy
 
-        folder = str(ASSETS)
+        folder = str((toy if target == "toy" else texture).ASSETS)
     path = Path(folder)
     digest = hashlib.sha256()
-    for name in ("toy_target.safetensors", "toy_vq.safetensors"):
+    for name in EMBEDDED_ASSETS[target]:
         if not (path / name).is_file():
             return CheckpointIdentity(str(path.resolve()))
         digest.update(name.encode() + b"\0" + (path / name).read_bytes())

@@ -54,6 +54,7 @@ SERVING_ARCHITECTURE = {"eagle1": "EagleLlamaForCausalLM", "eagle3": "LlamaForCa
 _SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (32, 2, 2, 64, 64),
     "toy": (128, 2, 2, 344, 4096),
+    "texture": (128, 2, 2, 344, 8192),  # the toy preset's layer over the texture world's 8192 VQ codes
     "llamagen-xl": (1280, 20, 20, 3584, 16384),
     "janus-pro-7b": (4096, 32, 32, 11008, 16384),
     "lumina-mgpt-7b": (4096, 32, 32, 11008, 8194),  # 8192 VQ codes + end-of-line + end-of-image (models/lumina.py)
@@ -61,7 +62,8 @@ _SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 
 
 def drafter_preset(name: str, architecture: str, **overrides: Any) -> DrafterConfig:
-    """A drafter config for a known target shape: tiny (tests), toy, llamagen-xl, janus-pro-7b, lumina-mgpt-7b."""
+    """A drafter config for a known target shape: tiny (tests), toy, texture, llamagen-xl, janus-pro-7b,
+    lumina-mgpt-7b."""
     if name not in _SHAPES:
         raise ValueError(f"unknown drafter preset {name!r}; known presets: {', '.join(_SHAPES)}")
     known = {f.name for f in fields(DrafterConfig)}

@@ -1,6 +1,7 @@
 """Targets by name: the one place that maps a `--target` string to an `ImageTarget`.
 
 target = load_target("toy")                      # the embedded toy world
+target = load_target("texture")                  # the embedded texture world (models/worlds.py lists the worlds)
 target = load_target("janus-pro-7b", path="/models/Janus-Pro-7B")  # a transformers-format folder or hub id
 target = load_target("llamagen-xl", gpt_checkpoint="/models/t2i_XL_stage2_512.pt",
                      vq_checkpoint="/models/vq_ds16_t2i.pt", t5_path="/models/flan-t5-xl")
@@ -23,12 +24,19 @@ import torch
 from models.checkpoint_identity import resolve_path
 from models.target import ImageTarget
 from models.transformers_decoder import process_device
+from models.worlds import embedded_world
 
 
 def _load_toy(folder: Any = None, device: Any = None) -> ImageTarget:
     from models.toy import ASSETS, ToyTarget
 
     return ToyTarget.from_assets(folder or ASSETS, device)
+
+
+def _load_texture(folder: Any = None, device: Any = None) -> ImageTarget:
+    from models.texture import ASSETS, TextureTarget
+
+    return TextureTarget.from_assets(folder or ASSETS, device)
 
 
 def _load_janus_pro_7b(path: str | None = None, dtype: object = None, device: object = None,
@@ -57,6 +65,7 @@ def _load_lumina_mgpt_7b(path: str | None = None, dtype: object = None, device: 
 
 TARGET_LOADERS: dict[str, Callable[..., ImageTarget]] = {
     "toy": _load_toy,
+    "texture": _load_texture,
     "janus-pro-7b": _load_janus_pro_7b,
     "llamagen-xl": _load_llamagen_xl,
     "lumina-mgpt-7b": _load_lumina_mgpt_7b,
@@ -68,7 +77,7 @@ def load_target(name: str, **kwargs: object) -> ImageTarget:
 
     Without `device=` every target is built on the CPU.
 
-    toy: `folder=`, `device=`; janus-pro-7b: `path=` (local folder or hub id; None = $JANUS_PRO_PATH, else the
+    toy, texture: `folder=`, `device=`; janus-pro-7b: `path=` (local folder or hub id; None = $JANUS_PRO_PATH, else the
     hub id; lumina-mgpt-7b likewise with $LUMINA_MGPT_PATH), `dtype=`, `device=` and
     `JanusTarget` options (`max_prompt_tokens=`, ...); llamagen-xl: `gpt_checkpoint=`, `vq_checkpoint=`,
     `t5_path=`, `preset=` ("t2i-XL-stage1" / "t2i-XL-stage2"), `dtype=`, `device=`, `folder=` and
@@ -94,9 +103,11 @@ def process_target_options(name: str, options: dict[str, Any]) -> dict[str, Any]
     """Loader options for a script launched outside Lightning, one process per GPU (torchrun, srun, or alone).
 
     A real checkpoint without `device` gets this process's GPU (`process_device()`: cuda:<local rank>) when CUDA
-    is available; the toy and random weights keep the CPU default (a GPU only when `device` names one).
+    is available; the embedded worlds (toy, texture) and random weights keep the CPU default (a GPU only when
+    `device` names one).
     """
-    if "device" in options or name == "toy" or options.get("random_weights") or not torch.cuda.is_available():
+    keeps_cpu = embedded_world(name) is not None or options.get("random_weights")
+    if "device" in options or keeps_cpu or not torch.cuda.is_available():
         return dict(options)
     return {**options, "device": process_device()}
 

@@ -81,7 +81,9 @@ def test_two_ranks_under_torchrun_split_the_prompts_and_merge_the_manifest(refer
     assert load_manifest(out).shards == load_manifest(reference).shards
 
 
-@pytest.mark.parametrize("name", ["extract_toy", "extract_janus", "extract_llamagen", "extract_lumina"])
+@pytest.mark.parametrize(
+    "name", ["extract_toy", "extract_texture", "extract_janus", "extract_llamagen", "extract_lumina"]
+)
 def test_every_extraction_recipe_parses_and_prints_its_resolved_config(name, capsys):
     from data.extract import main
 

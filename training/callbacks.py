@@ -8,7 +8,7 @@ sampling and with each configured rule (same prompts, same seeds), and logs
 
     decode/tau_<rule>              accepted draft tokens + 1 per target forward (the +1 is the bonus token)
     decode/target_forwards_<rule>  target forwards per image (AR: one per token)
-    decode/fidelity_<rule>, decode/fidelity_ar   prompt fidelity read back from the pixels (toy target)
+    decode/fidelity_<rule>, decode/fidelity_ar   prompt fidelity read back from the pixels (embedded worlds)
     decode/grid                    an image grid: one row per method (AR first), one column per prompt
 
 Under DDP the prompts are split across ranks and the sums all-reduced; under DeepSpeed ZeRO-3 the
@@ -35,6 +35,7 @@ from inference.decoding.generate import build_rule, image_grid
 from inference.decoding.rules import RULES
 from inference.decoding.speculative import DecoderConfig, generate_speculative
 from models.target import ImageTarget
+from models.worlds import embedded_world
 
 
 def gathered_parameters(module: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -49,11 +50,16 @@ def gathered_parameters(module: torch.nn.Module) -> contextlib.AbstractContextMa
 
 
 def held_out_prompts(target: ImageTarget, count: int, seed: int) -> list[str]:
-    """K prompts the drafter never trained on: the toy world's held-out captions, else PartiPrompts."""
+    """K prompts the drafter never trained on: the held-out captions of the target's embedded world (toy,
+    texture; the toy's for the tiny LlamaGen-family test targets), else PartiPrompts."""
     from data.prompts import PromptSetConfig, load_prompts
 
-    source = PromptSetConfig(source="toy", split="heldout", count=count, seed=seed)
-    if target.family != "llamagen" or not target.name.startswith(("toy", "tiny")):
+    world = embedded_world(target.name)
+    if world is not None:
+        source = PromptSetConfig(source=world.name, split="heldout", count=count, seed=seed)
+    elif target.family == "llamagen" and target.name.startswith(("toy", "tiny")):
+        source = PromptSetConfig(source="toy", split="heldout", count=count, seed=seed)
+    else:
         source = PromptSetConfig(source="parti", count=count, seed=seed)
     return [prompt.text for prompt in load_prompts(source)]
 
@@ -98,6 +104,7 @@ class DecodeValidation(Callback):
         self._validations = 0
         self._announced = False
         self._reader: Any = None
+        self._no_reader = False  # the target's world ships no reader: warned once, fidelity left out
         self._warned_no_decoder = False
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -198,11 +205,14 @@ class DecodeValidation(Callback):
         return dict(zip(keys, values.tolist(), strict=True))
 
     def _scene_reader(self, target: ImageTarget) -> Any:
-        """The toy world's attribute reader (fidelity); None for targets it cannot read."""
-        if self._reader is None and target.name == "toy":
-            from models.toy import scene_reader
-
-            self._reader = scene_reader()
+        """The scene reader of the target's embedded world (fidelity); None for targets no reader can read."""
+        world = embedded_world(target.name)
+        if self._reader is None and world is not None and not self._no_reader:
+            try:
+                self._reader = world.scene_reader()
+            except FileNotFoundError as error:  # a world whose reader is not shipped yet: decode without fidelity
+                warnings.warn(f"DecodeValidation logs no decode/fidelity_*: {error}", stacklevel=2)
+                self._no_reader = True
         return self._reader
 
     def _log_grid(self, trainer: Any, rows: list[np.ndarray]) -> None:

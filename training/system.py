@@ -98,7 +98,7 @@ class DrafterSystem(L.LightningModule):
         target: registry name of the target (`models.registry`); its embedding and head stay frozen.
         target_options: keyword arguments of its loader (janus-pro-7b: path, dtype, device, ...).
         architecture: eagle1 | eagle3.
-        preset: drafter shape preset (`models.eagle.drafter_preset`): tiny, toy, llamagen-xl, janus-pro-7b, ...
+        preset: drafter shape preset (`models.eagle.drafter_preset`): tiny, toy, texture, llamagen-xl, janus-pro-7b, ...
         drafter: overrides of DrafterConfig fields (e.g. draft_vocab_size, num_heads).
         objective: the loss recipe.
         optimizer: AdamW and its schedule.

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--target", default="toy")
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder; the file is written into it")
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-seed", type=int, default=5, help="held-out toy captions drawn with this seed")
+    parser.add_argument("--prompt-seed", type=int, default=5, help="held-out captions of an embedded world (toy, "
+                        "texture: the target's own, else the toy's) drawn with this seed")  # fmt: skip
     parser.add_argument("--quantile-pos", type=float, default=DEFAULT_QUANTILES["tau_pos"])
     parser.add_argument("--quantile-seq", type=float, default=DEFAULT_QUANTILES["tau_seq"])
     parser.add_argument(
@@ -128,11 +129,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
     from inference.decoding.eagle import EagleDrafter
     from models.registry import load_target_for_process
-    from models.toy import toy_captions
+    from models.worlds import caption_world
 
     target = load_target_for_process(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
-    prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
+    prompts = caption_world(args.target).captions(args.num_prompts, args.prompt_seed, "heldout")
     quantiles = {"tau_pos": args.quantile_pos, "tau_seq": args.quantile_seq}
     record = calibrate(target, drafter, prompts, quantiles=quantiles, representation=args.representation)
     record["command"] = ["python", "-m", "inference.calibrate", *(argv if argv is not None else sys.argv[1:])]

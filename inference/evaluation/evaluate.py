@@ -11,7 +11,8 @@
 
 generate (the default subcommand): caption i of the prompt set (`coco2017-val`: the 5000 val2017
 captions, the longest of each image, as LANTERN; `parti`: 1632 PartiPrompts; or a text file, one caption
-per line; `toy` or a count N: the toy world's held-out captions, drawn with `--prompt-seed`;
+per line; `toy`, `texture` or a count N: an embedded world's held-out captions (a count: the target's world,
+else the toy's), drawn with `--prompt-seed`;
 `--num-prompts N` keeps the first N) is decoded alone (batch 1) with the seed `--seed` + i,
 by AR or by the tree decoder with `--drafter`, `--rule` and the tree options of `inference.decoding.generate`.
 Each image is written as `images/NNNNN.png` with its record `records/NNNNN.json` (caption, seed, tau,
@@ -80,6 +81,7 @@ from inference.evaluation.eval_folder import (
 )
 from models.registry import load_target_for_process
 from models.target import ImageTarget, SamplingDefaults
+from models.worlds import caption_world, embedded_world
 
 PROMPT_SETS: dict[str, tuple[str, str | None]] = {
     "coco2017-val": ("coco2017_val_captions_longest.txt", None),  # 5000, LANTERN's MSCOCO2017Val list
@@ -100,25 +102,26 @@ def prompt_folder() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "prompts"
 
 
-def read_captions(source: str, count: int | None = None, toy_seed: int = 0) -> list[str]:
-    """Captions of a named set (`PROMPT_SETS`), a file (.tsv with a Prompt column, else one per line), or the
-    toy world's held-out captions: `toy` (`count` of them) or a bare count such as "256" (drawn with `toy_seed`).
+def read_captions(source: str, count: int | None = None, toy_seed: int = 0, target: str = "toy") -> list[str]:
+    """Captions of a named set (`PROMPT_SETS`), a file (.tsv with a Prompt column, else one per line), or an
+    embedded world's held-out captions drawn with `toy_seed`: the world named (`toy`, `texture`: `count` of them)
+    or, for a bare count such as "256", the world of `target` (the toy's for a real target).
 
     Raises:
         ValueError: the file is missing, not UTF-8 (the byte offset is named) or holds no caption.
     """
-    if source == "toy" or source.isdigit():
-        from models.toy import toy_captions
-
+    world = embedded_world(source) if not source.isdigit() else caption_world(target)
+    if world is not None:
         number = int(source) if source.isdigit() else count
         if not number:
-            raise ValueError("--prompts toy needs --num-prompts N (or give the count: --prompts 256)")
-        return toy_captions(min(number, count or number), seed=toy_seed, split="heldout")
+            raise ValueError(f"--prompts {source} needs --num-prompts N (or give the count: --prompts 256)")
+        return world.captions(min(number, count or number), toy_seed, "heldout")
     name, column = PROMPT_SETS.get(source, (None, None))
     path = prompt_folder() / name if name else Path(source)
     if not path.is_file():
         known = ", ".join(PROMPT_SETS)
-        raise ValueError(f"caption file {path} not found (--prompts takes {known}, toy, a count or a text file)")
+        raise ValueError(f"caption file {path} not found (--prompts takes {known}, toy, texture, a count or a "
+                         "text file)")  # fmt: skip
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -198,10 +201,11 @@ def build_generate_parser() -> argparse.ArgumentParser:
                         help="loader option of the target (repeatable), e.g. path=/models/Janus-Pro-7B "
                         "dtype=bfloat16; values are JSON, else strings")  # fmt: skip
     parser.add_argument("--prompts", required=True,
-                        help=f"{', '.join(PROMPT_SETS)}, a caption file, or N / toy: the toy world's held-out "
-                        "captions")  # fmt: skip
+                        help=f"{', '.join(PROMPT_SETS)}, a caption file, or N / toy / texture: an embedded "
+                        "world's (toy, texture) held-out captions (N: the target's world, else the toy's)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, help="keep the first N captions")
-    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the toy caption draw (default 0)")
+    parser.add_argument("--prompt-seed", type=int, default=0,
+                        help="seed of an embedded world's (toy, texture) caption draw (default 0)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="output folder (created; resumed when it exists)")
     parser.add_argument("--seed", type=int, default=0, help="caption i is decoded with seed + i (default 0)")
     parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the target's)")
@@ -230,7 +234,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        captions = read_captions(args.prompts, args.num_prompts, args.prompt_seed)
+        captions = read_captions(args.prompts, args.num_prompts, args.prompt_seed, args.target)
         target_options = parse_target_options(args.target_option)
         config = decoder_config(args) if args.drafter else None
     except ValueError as error:

@@ -32,8 +32,9 @@ from inference.decoding.generate import image_grid
 from inference.decoding.sampling import processed_distribution
 from models.target import ImageTarget, SamplingDefaults
 from models.texture import ASSETS as TEXTURE_ASSETS
-from models.texture import TextureTarget, network_from_checkpoint, texture_captions
-from models.toy import PatchVQ, ToyTarget, toy_captions
+from models.texture import TextureTarget, network_from_checkpoint
+from models.toy import PatchVQ, ToyTarget
+from models.worlds import EMBEDDED_WORLDS
 
 
 @torch.no_grad()
@@ -101,7 +102,7 @@ def _load(world: str, folder: Path | None, checkpoint: Path | None) -> ImageTarg
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", choices=["texture", "toy"], default="texture")
+    parser.add_argument("--world", choices=sorted(EMBEDDED_WORLDS), default="texture")
     parser.add_argument("--folder", type=Path, help="assets folder (default: the world's shipped assets)")
     parser.add_argument("--checkpoint", type=Path, help="texture: a training checkpoint (.partial.pt) to measure")
     parser.add_argument("--num-prompts", type=int, default=64, help="held-out captions, one sample each")
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = dataclasses.replace(settings, cfg_scale=args.cfg_scale)
     if args.top_k is not None:
         settings = dataclasses.replace(settings, top_k=args.top_k or None)
-    captions = texture_captions if args.world == "texture" else toy_captions
-    prompts = captions(args.num_prompts, seed=args.seed, split="heldout")
+    prompts = EMBEDDED_WORLDS[args.world].captions(args.num_prompts, args.seed, "heldout")
     started = time.perf_counter()
     stats, tokens = token_statistics(target, prompts, settings, args.seed, args.batch_size)
     print(f"{args.world} target, {args.num_prompts} held-out captions (seed {args.seed}), {tokens.shape[1]} tokens "

@@ -13,9 +13,9 @@ One table, one row per method:
 - wall seconds per image and the speedup over AR measured in the same run: every prompt is decoded
   by every method in turn, the order rotating from prompt to prompt, after one warm-up decode per
   method, so that machine load falls on all methods alike; images are decoded one at a time;
-- prompt fidelity (the toy world's `SceneReader`: every attribute read back from the pixels matches
-  the caption; ± one binomial standard error) and the FID-style distance to the AR images of the
-  same prompts (`models.toy.frechet_distance`, the reader's 256-d features). With N images
+- prompt fidelity (the scene reader of the target's embedded world, toy or texture: every attribute read
+  back from the pixels matches the caption; ± one binomial standard error) and the FID-style distance to
+  the AR images of the same prompts (`models.toy.frechet_distance`, the reader's 256-d features). With N images
   and N < 256 the feature covariances are singular and the distance is biased upwards: compare rows
   of one run only; the AR row shows the distance between two independent AR draws, the noise floor;
 - where the time of a step goes: the rule (`inference.decoding.verify.verify`), the target forward over the
@@ -86,7 +86,7 @@ from inference.measure.report import Quality, format_markdown, format_table, plo
 from inference.measure.step_latency import add_latency_arguments, run_latency_command
 from models.registry import load_target_for_process
 from models.target import ImageTarget, SamplingDefaults
-from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
+from models.worlds import caption_world
 
 FID_NOTE = (
     "FID-style distance in the SceneReader's 256-d feature space to the AR images of the same prompts; "
@@ -309,9 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rules", help=f"comma-separated methods: ar and rules, optionally labelled RULE@LABEL "
                         f"(default {DEFAULT_METHODS}; --latency: every rule, {','.join(RULE_CLASSES)})")  # fmt: skip
     parser.add_argument("--rule-arg", action="append", metavar="RULE.NAME=VALUE", help="set a rule field")
-    parser.add_argument("--num-prompts", type=int, default=32, help="held-out toy prompts (default 32)")
-    parser.add_argument("--prompt-seed", type=int, default=5, help="seed of the held-out toy prompt draw")
-    parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (instead of toy prompts)")
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="held-out prompts of an embedded world (toy, texture) (default 32)")  # fmt: skip
+    parser.add_argument("--prompt-seed", type=int, default=5,
+                        help="seed of the held-out draw of the target's embedded world (toy, texture)")  # fmt: skip
+    parser.add_argument("--prompts", type=Path,
+                        help="text file, one prompt per line (instead of an embedded world's (toy, texture) "
+                        "prompts; other targets than the worlds draw the toy's)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
     parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the target's)")
     parser.add_argument("--temperature", type=float, help="default: the target's")
@@ -364,10 +368,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     settings = dataclasses.replace(target.sampling, **{k: v for k, v in overrides.items() if v is not None})
     if args.prompts:
         prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
-    else:
-        from models.toy import toy_captions
-
-        prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
+    else:  # the target's own embedded world, else the toy's
+        prompts = caption_world(args.target).captions(args.num_prompts, args.prompt_seed, "heldout")
     drafter = None
     if args.drafter:
         from inference.decoding.eagle import EagleDrafter
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                  warmup=not args.no_warmup, second_ar_draw=has_ar, verifier=verifier,
                                  repeats=args.repeats)  # fmt: skip
     elapsed = time.perf_counter() - started
-    quality = Quality(target) if target.geometry.image_size == (TOY_IMAGE_SIZE, TOY_IMAGE_SIZE) else None
+    quality = Quality.for_target(target)
     records = summarise(methods, rules, tallies, floor, prompts, quality)
     print(format_table(records))
     repeated = f", each decoded {args.repeats} times (time: the median)" if args.repeats > 1 else ""
@@ -400,7 +402,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "tree": dataclasses.asdict(config),
         "num_prompts": len(prompts),
         "prompts": list(prompts),
-        "prompt_source": str(args.prompts) if args.prompts else f"toy heldout, seed {args.prompt_seed}",
+        "prompt_source": str(args.prompts)
+        if args.prompts
+        else f"{caption_world(args.target).name} heldout, seed {args.prompt_seed}",
         "seed": args.seed,
         "repeats": args.repeats,
         "device": str(target.device),

@@ -38,17 +38,18 @@ from inference.measure.provenance import provenance
 from inference.measure.report import Quality, format_markdown, plot_sweep
 from inference.measure.step_latency import tree_name
 from models.registry import load_target_for_process
-from models.toy import IMAGE_SIZE as TOY_IMAGE_SIZE
-from models.toy import toy_captions
+from models.worlds import caption_world
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="toy", help="target name (default: toy, the only one with a scorer)")
+    parser.add_argument("--target", default="toy", help="target name (default: toy; an embedded world (toy, "
+                        "texture) is scored, other targets draw toy captions and get no quality columns)")  # fmt: skip
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder")
     parser.add_argument("--grid", type=Path, required=True, help="JSON grid [{series, rule, options}]")
     parser.add_argument("--trees", default="static,dynamic", help="comma-separated tree kinds (default static,dynamic)")
-    parser.add_argument("--num-prompts", type=int, default=256, help="held-out toy captions (default 256)")
+    parser.add_argument("--num-prompts", type=int, default=256,
+                        help="held-out captions of the target's embedded world (toy, texture; 256)")  # fmt: skip
     parser.add_argument("--prompt-seed", type=int, default=2026, help="seed of the report captions (default 2026)")
     parser.add_argument("--tuned-on", type=int, default=11, help="seed of the captions the grid was tuned on (11)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of caption i is seed + i")
@@ -91,8 +92,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     except ValueError as error:
         raise SystemExit(f"--grid {args.grid}: {error}") from None
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
-    prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
-    quality = Quality(target) if target.geometry.image_size == (TOY_IMAGE_SIZE, TOY_IMAGE_SIZE) else None
+    world = caption_world(args.target)  # the target's own embedded world, else the toy's
+    prompts = world.captions(args.num_prompts, args.prompt_seed, "heldout")
+    quality = Quality.for_target(target)
     command = ["python", "-m", "inference.decoding_table", *(sys.argv[1:] if argv is None else argv)]
     records: list[dict[str, Any]] = []
     sections, summaries = [], []
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         summary = {
             "tree": dataclasses.asdict(config),
             "num_prompts": len(prompts),
-            "prompt_source": f"toy heldout, seed {args.prompt_seed}; settings tuned on seed {args.tuned_on}",
+            "prompt_source": f"{world.name} heldout, seed {args.prompt_seed}; settings tuned on seed {args.tuned_on}",
             "seed": args.seed,
             "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - started,

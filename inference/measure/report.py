@@ -4,7 +4,7 @@
     Path("table.md").write_text(format_markdown(records, command, summary))
     plot_sweep(records, Path("pareto.png"), sweep_title(summary))
 
-`Quality` scores images with the toy world's scene reader (prompt fidelity, FID-style distance).
+`Quality` scores images with an embedded world's scene reader (prompt fidelity, FID-style distance).
 `records` are the JSON-ready rows `inference.measure.bench.summarise` returns (tau, forwards, speed, quality,
 the time split of a step); nothing here decodes.
 """
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from inference.decoding.files import write_atomic
 from models.target import ImageTarget
+from models.worlds import reading_world
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -180,13 +181,33 @@ def sweep_title(summary: dict[str, Any]) -> str:
 
 
 class Quality:
-    """Prompt fidelity and FID-style distance with the toy world's SceneReader (None where it cannot read)."""
+    """Prompt fidelity and FID-style distance with an embedded world's scene reader (None where it cannot read).
 
-    def __init__(self, target: ImageTarget) -> None:
-        from models.toy import scene_reader
+    `reader`: a `models.toy.SceneReader` (or subclass) for the target's images; None = the one of the world
+    `models.worlds.reading_world` names for the target (the toy's for a target drawing toy-sized images).
+    """
 
+    def __init__(self, target: ImageTarget, reader: Any = None) -> None:
         self.target = target
-        self.reader = scene_reader()
+        if reader is None:
+            world = reading_world(target.name, target.geometry.image_size)
+            if world is None:
+                raise ValueError(f"no embedded world's scene reader reads the images of target {target.name!r}")
+            reader = world.scene_reader()
+        self.reader = reader
+
+    @classmethod
+    def for_target(cls, target: ImageTarget) -> Quality | None:
+        """The scorer of `target`'s images; None, and no quality columns, for a target no scene reader reads
+        (a real target) or whose world ships no reader yet (said once on stdout)."""
+        world = reading_world(target.name, target.geometry.image_size)
+        if world is None:
+            return None
+        try:
+            return cls(target, world.scene_reader())
+        except FileNotFoundError as error:
+            print(f"no prompt fidelity or FID-style distance: {error}")
+            return None
 
     def images(self, tokens: list[Tensor]) -> Tensor:
         """N x (G,) tokens -> (N, H, W, 3) uint8 on the CPU."""
@@ -202,7 +223,7 @@ class Quality:
             return None, None
         try:
             value = self.reader.fidelity(images, list(prompts))
-        except ValueError:  # captions outside the toy grammar
+        except ValueError:  # captions outside the world's grammar
             return None, None
         return value, math.sqrt(max(value * (1 - value), 0.0) / len(prompts))
 

@@ -22,7 +22,7 @@ Labels, from the target's own image decoder (the ground truth no real target giv
   stand-in context for pairs off the accepted path.
 - **substitutable**: the two images read the same scene (every attribute the scene reader reads:
   shapes, colours, sizes, positions, background). Only pairs whose context was committed (their
-  parent on the accepted path) and only targets with a scene reader (the toy).
+  parent on the accepted path) and only targets with a scene reader (the embedded worlds: toy, texture).
 
 Signals, each a similarity of the two nodes (higher = more alike), scored by ROC AUC against each label:
 the target state after each node's token at every layer EAGLE-3 reads (low, mid, high) and the last
@@ -63,6 +63,7 @@ from inference.decoding.tree import Tree
 from inference.decoding.verify import TargetView, Verdict
 from inference.measure.provenance import provenance
 from models.target import ImageTarget, teacher_forced_states
+from models.worlds import embedded_world
 
 PAIR_KINDS = ("sibling", "parent")
 LABELS = ("interchangeable", "substitutable")
@@ -416,8 +417,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--target", default="toy")
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-seed", type=int, default=11, help="held-out toy captions drawn with this seed")
-    parser.add_argument("--prompts-file", type=Path, help="captions, one a line (targets other than the toy)")
+    parser.add_argument("--prompt-seed", type=int, default=11,
+                        help="held-out captions of an embedded world (toy, texture) drawn with this seed")  # fmt: skip
+    parser.add_argument("--prompts-file", type=Path,
+                        help="captions, one a line (targets other than an embedded world (toy, texture))")  # fmt: skip
     parser.add_argument("--trees", default="static,dynamic", help="tree kinds: static, dynamic, dynamic-sampled")
     parser.add_argument("--pixel-threshold", type=float, default=DEFAULT_PIXEL_THRESHOLD,
                         help="interchangeable: RMS grey levels over a token's patch at most this")  # fmt: skip
@@ -434,15 +437,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     target = load_target_for_process(args.target)
     drafter = EagleDrafter.from_pretrained(args.drafter, target)
-    if args.target == "toy":
-        from models.toy import scene_reader, toy_captions
-
-        prompts, reader = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout"), scene_reader()
+    world = embedded_world(args.target)
+    if world is not None:
+        prompts, reader = world.captions(args.num_prompts, args.prompt_seed, "heldout"), world.scene_reader()
     elif args.prompts_file is not None:  # a real target: interchangeability from its decoder, no scene reader
         lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
         prompts, reader = [line.strip() for line in lines if line.strip()][: args.num_prompts], None
     else:
-        raise SystemExit(f"target {args.target!r}: give --prompts-file (one caption a line); only the toy has its own")
+        raise SystemExit(f"target {args.target!r}: give --prompts-file (one caption a line); only an embedded world "
+                         "(toy, texture) has its own")  # fmt: skip
     configs = {kind: DecoderConfig(tree=kind) for kind in args.trees.split(",")}
     study = study_signals(target, drafter, prompts, configs, args.pixel_threshold, reader, args.seed,
                           args.trees_per_image or None)  # fmt: skip

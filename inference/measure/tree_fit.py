@@ -40,6 +40,7 @@ from inference.decoding.speculative import DecodeHooks, DecoderConfig, generate_
 from inference.decoding.tree import StaticTreeSpec, Tree
 from inference.decoding.verify import TargetView, Verdict
 from models.target import ImageTarget
+from models.worlds import caption_world
 
 TreePath = tuple[int, ...]  # child indices from the root: (c1, c2) is the c2-th draw of the c1-th draw
 
@@ -121,9 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--target", default="toy", help="registered target (default toy)")
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument("--prompts", type=Path, help="one prompt per line (default: toy held-out captions)")
+    parser.add_argument("--prompts", type=Path, help="one prompt per line (default: held-out captions of an "
+                        "embedded world (toy, texture): the target's own, else the toy's)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=256, help="prompts decoded (default 256)")
-    parser.add_argument("--prompt-seed", type=int, default=11, help="toy captions' seed: fit on tune captions (11)")
+    parser.add_argument("--prompt-seed", type=int, default=11,
+                        help="the embedded world's captions' seed: fit on tune captions (11)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="decode seed of the first prompt (then +1 per prompt)")
     parser.add_argument("--rule", default="exact", help="verification rule while measuring (default exact: "
                         "only a lossless rule's frequencies add up exactly over sub-trees)")  # fmt: skip
@@ -158,10 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     target = load_target_for_process(args.target)
     if args.prompts:
         prompts = read_prompt_lines(args.prompts)[: args.num_prompts]
-    else:
-        from models.toy import toy_captions
-
-        prompts = toy_captions(args.num_prompts, seed=args.prompt_seed, split="heldout")
+    else:  # the target's own embedded world, else the toy's
+        prompts = caption_world(args.target).captions(args.num_prompts, args.prompt_seed, "heldout")
     from inference.decoding.eagle import EagleDrafter
 
     try:
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     provenance = {
         "command": ["python", "-m", "inference.tree_fit", *(sys.argv[1:] if argv is None else argv)],
         "target": args.target, "drafter": str(args.drafter), "rule": args.rule, "prompts": len(prompts),
-        "prompt_source": str(args.prompts) if args.prompts else f"toy heldout, seed {args.prompt_seed}",
+        "prompt_source": str(args.prompts) if args.prompts else f"{caption_world(args.target).name} heldout, seed "
+        f"{args.prompt_seed}",
         "verification_steps": steps, "candidate": {"depth": args.candidate_depth, "budget": args.candidate_budget,
                                                    "drafts": len(candidate), "tau": measured_tau},
     }  # fmt: skip
