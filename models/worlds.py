@@ -72,13 +72,7 @@ def _texture_dataset(count: int, seed: int, split: str) -> tuple[list[str], np.n
 def _texture_reader() -> Any:
     import models.texture
 
-    load = getattr(models.texture, "scene_reader", None)  # the texture world's reader, once it ships
-    if load is None:
-        raise FileNotFoundError(
-            "the texture world has no scene reader yet (models.texture.scene_reader, loading "
-            "models/texture/assets/texture_reader.safetensors): prompt fidelity of texture images needs it"
-        )
-    return load()
+    return models.texture.scene_reader()  # FileNotFoundError naming texture_reader.safetensors when it is missing
 
 
 EMBEDDED_WORLDS: dict[str, EmbeddedWorld] = {

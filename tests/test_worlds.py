@@ -66,10 +66,11 @@ def test_texture_scene_reader_is_the_texture_packages(monkeypatch: pytest.Monkey
     world = embedded_world("texture")
     assert world is not None
     marker = object()
-    monkeypatch.setattr(models.texture, "scene_reader", lambda: marker, raising=False)
+    monkeypatch.setattr(models.texture, "scene_reader", lambda: marker)
     assert world.scene_reader() is marker
-    monkeypatch.delattr(models.texture, "scene_reader")  # before it ships: a clear error, not an AttributeError
-    with pytest.raises(FileNotFoundError, match="texture_reader.safetensors"):
+    monkeypatch.undo()
+    monkeypatch.setattr(models.texture, "ASSETS", Path("no-such-folder"))  # weights missing: a clear error
+    with pytest.raises(FileNotFoundError, match="texture_reader.safetensors.*--stage reader"):
         world.scene_reader()
 
 
@@ -139,7 +140,7 @@ def test_tools_draw_and_read_with_the_targets_world(monkeypatch: pytest.MonkeyPa
     assert read_captions("3", toy_seed=7, target="texture") == models.texture.texture_captions(3, 7, "heldout")
     assert read_captions("texture", 2, toy_seed=7) == models.texture.texture_captions(2, 7, "heldout")
     assert read_captions("3", toy_seed=7, target="janus-pro-7b") == toy_captions(3, 7, "heldout")  # as before
-    monkeypatch.delattr(models.texture, "scene_reader", raising=False)  # not shipped: no quality columns
+    monkeypatch.setattr(models.texture, "ASSETS", Path("no-such-folder"))  # no reader weights: no quality columns
     assert Quality.for_target(target) is None
     callback = DecodeValidation()
     with pytest.warns(UserWarning, match="no decode/fidelity"):
@@ -148,7 +149,7 @@ def test_tools_draw_and_read_with_the_targets_world(monkeypatch: pytest.MonkeyPa
         warnings.simplefilter("error")  # warned once, not retried at every validation
         assert callback._scene_reader(target) is None
     reader = object()
-    monkeypatch.setattr(models.texture, "scene_reader", lambda: reader, raising=False)
+    monkeypatch.setattr(models.texture, "scene_reader", lambda: reader)
     quality = Quality.for_target(target)
     assert quality is not None and quality.reader is reader
     assert DecodeValidation()._scene_reader(target) is reader
