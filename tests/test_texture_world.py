@@ -158,3 +158,32 @@ def test_scene_reader_labels_every_attribute_and_a_match_needs_all_of_them():
         assert reader.matches(images, captions)[1 - row].item() is True, name
     errors = reader.attribute_errors(images, captions)
     assert errors["spurious"] == 0.5 and errors["tone"] == 0.0  # the last planted error: a spurious object
+
+
+def test_calibration_command_prints_entropy_fidelity_and_lossless_tau_and_writes_the_fitted_trees(tmp_path, capsys):
+    import json
+
+    from inference.evaluation import world_calibrate
+    from models.eagle import EagleDraftModel, drafter_preset
+    from models.texture.reader import READER_FILE, TextureSceneReader
+
+    _tiny_world(tmp_path, steps=2)
+    TextureSceneReader().save(tmp_path / READER_FILE)  # an untrained reader: fidelity is measured, not good
+    torch.manual_seed(0)
+    config = drafter_preset("tiny", "eagle1", hidden_size=16, target_hidden_size=16, intermediate_size=32,
+                            vocab_size=32, target="texture")  # fmt: skip
+    drafter = EagleDraftModel(config).save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "calibration"
+    world_calibrate.main(["--folder", str(tmp_path), "--num-prompts", "2", "--top-k", "8", "--drafter", str(drafter),
+                          "--drafts", "2,3", "--dynamic", "2,2,4", "--tune-prompts", "2", "--report-prompts", "2",
+                          "--out", str(out), "--threads", "1"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "mean_entropy" in printed and "prompt_fidelity" in printed and "| accept @1 |" in printed
+    record = json.loads((out / "calibration.json").read_text())
+    assert record["command"][:3] == ["python", "-m", "inference.evaluation.world_calibrate"]
+    assert 0.0 <= record["tokens"]["prompt_fidelity"] <= 1.0 and record["tokens"]["mean_entropy"] > 0
+    trees = record["drafting"]["trees"]
+    assert [t["name"] for t in trees] == ["static 2", "static 3", "dynamic top-2, depth 2, 4 nodes"]
+    assert all(1.0 <= t["tau"] <= 1.0 + t["depth"] for t in trees)
+    fitted = json.loads((out / "static3.json").read_text())
+    assert [tuple(p) for p in fitted["paths"]] == [tuple(p) for p in trees[1]["paths"]] and len(fitted["paths"]) == 3

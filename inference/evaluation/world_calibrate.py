@@ -3,6 +3,7 @@
     python -m inference.evaluation.world_calibrate --folder RUN                      # a trained texture target
     python -m inference.evaluation.world_calibrate --checkpoint RUN/texture_target.partial.pt --folder RUN
     python -m inference.evaluation.world_calibrate --world toy                        # the toy, for comparison
+    python -m inference.evaluation.world_calibrate --drafter runs/demo_texture/version_0/drafter --out outputs/calib
 
 Held-out captions are sampled once each with plain AR decoding (`generate_ar`) at the target's
 default sampling (CFG, temperature, top-k; override with --cfg-scale / --top-k). The distribution
@@ -12,6 +13,15 @@ tokens: mean entropy (nats), the share of tokens above --high-entropy nats, the 
 probability is below --low-top1, and entropy quantiles. Real targets sit at a mean of 4.4-6.9 nats
 (LlamaGen on COCO) with most of Lumina-mGPT's tokens at top-1 < 0.05; the texture world's bar is a
 mean >= 4 nats, >= 20 % of tokens above 5 nats and >= 50 % with top-1 < 0.05 (its MODEL_CARD.md).
+The same samples are read back by the world's scene reader: prompt fidelity (every object and the
+background as the caption says) and which attributes fail.
+
+With --drafter, how hard the world is to draft for (`inference.evaluation.draft_calibrate`): static
+trees of --drafts nodes fitted with the lossless `exact` rule on --tune-prompts captions (seed
+--tune-seed, 11), then the lossless tau of each and of the dynamic top-k tree (--dynamic: children,
+depth, nodes) on --report-prompts other captions (seed --report-seed, 2026), with the acceptance at
+each depth given the depth above. --out writes calibration.json and each fitted tree as
+static<N>.json (decode it with --static-tree FILE).
 
 Shapes: B prompts, R rows (2B with CFG), G image tokens, V vocabulary.
 """
@@ -21,18 +31,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from inference.decoding.autoregressive import generate_ar
+from inference.decoding.files import write_json
 from inference.decoding.generate import image_grid
 from inference.decoding.sampling import processed_distribution
+from inference.evaluation.draft_calibrate import drafting_report, report_table
+from inference.measure.provenance import provenance
 from models.target import ImageTarget, SamplingDefaults
 from models.texture import ASSETS as TEXTURE_ASSETS
-from models.texture import TextureTarget, network_from_checkpoint
+from models.texture import TextureSceneReader, TextureTarget, network_from_checkpoint
+from models.texture.reader import READER_FILE
 from models.toy import PatchVQ, ToyTarget
 from models.worlds import EMBEDDED_WORLDS
 
@@ -111,6 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, help="override the default top-k (0: off)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--grid-out", type=Path, help="save a grid of the samples here (.png)")
+    parser.add_argument("--drafter", type=Path, help="also measure lossless tau of this drafter (config.json folder)")
+    parser.add_argument("--drafts", default="25,40,60", help="--drafter: static tree sizes to fit (comma-separated)")
+    parser.add_argument("--dynamic", default="10,6,60", help="--drafter: dynamic tree children,depth,nodes")
+    parser.add_argument("--tune-prompts", type=int, default=64, help="--drafter: captions the trees are fitted on")
+    parser.add_argument("--tune-seed", type=int, default=11)
+    parser.add_argument("--report-prompts", type=int, default=64, help="--drafter: captions tau is measured on")
+    parser.add_argument("--report-seed", type=int, default=2026)
+    parser.add_argument("--out", type=Path, help="folder for calibration.json and the fitted trees")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -127,11 +151,72 @@ def main(argv: list[str] | None = None) -> None:
           f"each, {target.image_vocab_size} codes; sampling {settings}")  # fmt: skip
     for name, value in stats.items():
         print(f"{name:24s} {value:.4f}")
+    images = target.decode_images(tokens)  # (B, S, S, 3) uint8
+    reader = _reader(args.world, args.folder)
+    if reader is not None:
+        stats["prompt_fidelity"] = reader.fidelity(images, prompts)
+        errors = reader.attribute_errors(images, prompts)
+        print(f"{'prompt_fidelity':24s} {stats['prompt_fidelity']:.4f}   (AR samples read back by the scene reader)")
+        print("images with an error, by attribute: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
     print(f"total {time.perf_counter() - started:.1f} s")
     if args.grid_out is not None:
         args.grid_out.parent.mkdir(parents=True, exist_ok=True)
-        image_grid(target.decode_images(tokens).numpy(), columns=8).save(args.grid_out)
+        image_grid(images.numpy(), columns=8).save(args.grid_out)
         print(f"samples in {args.grid_out}")
+    record: dict[str, Any] = {
+        "command": ["python", "-m", "inference.evaluation.world_calibrate", *(sys.argv[1:] if argv is None else argv)],
+        "provenance": provenance(), "world": args.world, "sampling": dataclasses.asdict(settings),
+        "prompts": {"count": args.num_prompts, "seed": args.seed, "split": "heldout"}, "tokens": stats,
+    }  # fmt: skip
+    if args.drafter is not None:
+        record["drafting"] = _drafting(args, target)
+    if args.out is not None:
+        write_json(record, args.out / "calibration.json")
+        print(f"wrote {args.out / 'calibration.json'}")
+
+
+def _reader(world: str, folder: Path | None) -> Any:
+    """The scene reader beside a --folder target (its own world's file), else the world's shipped one; None if none."""
+    if world == "texture" and folder is not None and (folder / READER_FILE).exists():
+        return TextureSceneReader.load(folder / READER_FILE)
+    try:
+        return EMBEDDED_WORLDS[world].scene_reader()
+    except FileNotFoundError as error:
+        print(f"no prompt fidelity: {error}")
+        return None
+
+
+def _drafting(args: argparse.Namespace, target: ImageTarget) -> dict[str, Any]:
+    """Fit static trees on the tune captions and measure lossless tau on the report captions; print and return it."""
+    from inference.decoding.eagle import EagleDrafter
+    from inference.decoding.rules import ExactRule
+
+    try:
+        drafts = [int(n) for n in args.drafts.split(",")]
+        top_k, depth, nodes = (int(n) for n in args.dynamic.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"--drafts {args.drafts!r} / --dynamic {args.dynamic!r}: give integers, e.g. 25,40 and 10,6,60"
+        ) from None
+    drafter = EagleDrafter.from_pretrained(args.drafter, target)
+    world = EMBEDDED_WORLDS[args.world]
+    tune = world.captions(args.tune_prompts, args.tune_seed, "heldout")
+    report = world.captions(args.report_prompts, args.report_seed, "heldout")
+    results = drafting_report(target, drafter, ExactRule(), tune, report, drafts, dynamic=(top_k, depth, nodes))
+    print(
+        f"\nlossless (exact) tau of {args.drafter}: trees fitted on {len(tune)} captions (seed {args.tune_seed}), "
+        f"tau measured on {len(report)} others (seed {args.report_seed}); accept @d = P(>= d drafts | >= d - 1)"
+    )
+    print(report_table(results))
+    if args.out is not None:
+        for result in results:
+            if result.paths is not None:
+                tree = {"paths": [list(p) for p in result.paths], "fitted_on": f"{args.world} heldout seed "
+                        f"{args.tune_seed}, {len(tune)} captions, exact", "drafter": str(args.drafter)}  # fmt: skip
+                write_json(tree, args.out / f"static{result.drafts}.json")
+    return {"drafter": str(args.drafter), "tune": {"count": len(tune), "seed": args.tune_seed},
+            "report": {"count": len(report), "seed": args.report_seed},
+            "trees": [dataclasses.asdict(r) for r in results]}  # fmt: skip
 
 
 if __name__ == "__main__":
