@@ -147,7 +147,7 @@ def test_scene_reader_labels_every_attribute_and_a_match_needs_all_of_them():
     perfect = {name: value.clamp_min(0) for name, value in labels.items()}  # what the captions say, read back
     reader.read = lambda _images: perfect  # type: ignore[method-assign]
     assert reader.matches(images, captions).tolist() == [True, True]
-    for name, row, cell in (("tone", 1, None), ("scale", 0, None), ("shape", 1, 8), ("present", 0, 2)):
+    for name, row, cell in (("tone", 1, None), ("colour", 0, 4), ("shape", 1, 8), ("present", 0, 2)):
         wrong = {key: value.clone() for key, value in perfect.items()}
         if cell is None:
             wrong[name][row] += 1
@@ -158,6 +158,11 @@ def test_scene_reader_labels_every_attribute_and_a_match_needs_all_of_them():
         assert reader.matches(images, captions)[1 - row].item() is True, name
     errors = reader.attribute_errors(images, captions)
     assert errors["spurious"] == 0.5 and errors["tone"] == 0.0  # the last planted error: a spurious object
+    wrong = {key: value.clone() for key, value in perfect.items()}
+    wrong["texture"][0], wrong["scale"][1] = 4, 1  # the texture's kind and scale are reported, not matched
+    reader.read = lambda _images: wrong  # type: ignore[method-assign]
+    assert reader.matches(images, captions).tolist() == [True, True]
+    assert reader.attribute_errors(images, captions)["texture"] == 0.5
 
 
 def test_calibration_command_prints_entropy_fidelity_and_lossless_tau_and_writes_the_fitted_trees(tmp_path, capsys):

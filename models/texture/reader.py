@@ -3,8 +3,10 @@
 The toy's `SceneReader` (a small CNN read by attribute heads) with this world's vocabulary: at each of
 the nine named positions, whether an object is there and its colour, shape (circle, square, triangle)
 and size; for the whole image, the texture (clouds, marble, wood, sand, granite), its scale (fine,
-coarse) and its tone (brown, grey, green, blue). An image matches its caption when every one of these
-reads as the caption says. Its 256-d embedding is the FID-style feature network.
+coarse) and its tone (brown, grey, green, blue). An image matches its caption when every object and
+the tone read as the caption says; the texture's kind and scale are read and reported by
+`attribute_errors`, but not matched, because the reader cannot name them reliably even on the
+world's own renders (MODEL_CARD.md). Its 256-d embedding is the FID-style feature network.
 
 It is trained by `python -m models.texture.train --stage reader` on freshly drawn scenes of both
 splits, half of every batch passed through the VQ as generated images are, into
@@ -39,6 +41,9 @@ class TextureSceneReader(SceneReader):
     image_size = IMAGE_SIZE
     object_heads = {"colour": len(OBJECT_COLOURS), "shape": len(OBJECT_SHAPES), "size": len(OBJECT_SIZES)}
     scene_heads = {"texture": len(TEXTURES), "scale": len(TEXTURE_SCALES), "tone": len(TEXTURE_COLOUR_NAMES)}
+    # The texture's kind and scale are read but not matched: on ground-truth scenes the reader names them right for
+    # 82 % and 88 % of images (MODEL_CARD.md), so a match on them would measure the reader, not the target.
+    matched_scene_heads = ("tone",)
 
     def feature_layers(self) -> list[nn.Module]:
         """(B, 3, 48, 48) -> (B, 256): three stride-2 stages to 6 x 6 (a texture's scale needs a wider view)."""

@@ -80,13 +80,16 @@ class SceneReader(nn.Module):
     What a world reads is set by class attributes, so another world subclasses it: `image_size`,
     `object_heads` (per-position attributes of an object and their class counts; presence is always
     read), `scene_heads` (whole-image attributes), `feature_layers` (the convolutional stack) and
-    `labels` (captions -> the attribute indices, keyed like the heads).
+    `labels` (captions -> the attribute indices, keyed like the heads). A match needs every object
+    attribute and the scene heads in `matched_scene_heads` (all by default); `attribute_errors` reports
+    every head.
     """
 
     embedding_dim = 256
     image_size = IMAGE_SIZE
     object_heads: dict[str, int] = {"colour": len(COLOUR_NAMES), "shape": len(SHAPES), "size": len(SIZES)}
     scene_heads: dict[str, int] = {"background": len(BACKGROUNDS), "background_colour": len(COLOUR_NAMES)}
+    matched_scene_heads: tuple[str, ...] | None = None  # the scene heads a match needs (None: all of them)
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +162,7 @@ class SceneReader(nn.Module):
         ok = (read["present"] == labels["present"]).all(1)
         for name in self.object_heads:
             ok &= ((read[name] == labels[name]) | ~present).all(1)
-        for name in self.scene_heads:
+        for name in self.scene_heads if self.matched_scene_heads is None else self.matched_scene_heads:
             ok &= read[name] == labels[name]
         return ok
 
