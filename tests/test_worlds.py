@@ -95,7 +95,7 @@ def test_texture_target_is_registered_and_names_its_missing_weights(tmp_path: Pa
 
 
 def random_texture_target() -> TextureTarget:
-    """The texture target's architecture with random weights (its trained weights are not shipped yet)."""
+    """The texture target's architecture with random weights (a test never needs the trained one)."""
     torch.manual_seed(0)
     return TextureTarget(texture_network(8192), PatchVQ(num_codes=8192, patch=4, image_size=48))
 

@@ -9,9 +9,9 @@ image, on a 48 x 48 canvas of 4 x 4 patches (144 tokens) with an 8192-code codeb
 near-duplicates. Parts: the caption grammar (`world`, one caption in 20 held out by hash), scene
 drawing (`scenes`), the network sizes (`model`), the target (`target`), the scene reader for prompt
 fidelity and FID-style features (`reader`), training
-(`python -m models.texture.train`) and the shipped VQ with the model card (`assets/`; the target
-is not shipped yet: see the card). `python -m inference.evaluation.world_calibrate` measures a
-target's entropy and top-1 at its default sampling.
+(`python -m models.texture.train`) and the shipped VQ, target and reader with the model card
+(`assets/`). `python -m inference.evaluation.world_calibrate` measures a target's entropy, top-1 and
+prompt fidelity at its default sampling, and with `--drafter` the lossless tau of its trees.
 
 Code outside this package uses only the names below.
 """
