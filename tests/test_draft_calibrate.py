@@ -1,4 +1,4 @@
-"""`inference.evaluation.draft_calibrate`: acceptance by depth from the decoder's own tallies, and the report's
+"""`inference.measure.draft_calibrate`: acceptance by depth from the decoder's own tallies, and the report's
 tau equal to the decoder's tau on the same prompts, seeds and trees."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from stub_drafters import OracleDrafter
 
 from inference.decoding.rules import ExactRule
 from inference.decoding.speculative import DecoderConfig, generate_speculative
-from inference.evaluation.draft_calibrate import depth_acceptance, drafting_report, report_table
+from inference.measure.draft_calibrate import depth_acceptance, drafting_report, report_table
 
 PROMPTS = ["a big green square on stripes", "a small red circle at the top left", "two blue triangles"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.decoding.autoregressive import generate_ar
-from inference.evaluation.world_calibrate import token_statistics
+from inference.measure.world_calibrate import token_statistics
 from models.texture import (
     IMAGE_SIZE,
     TextureTarget,
@@ -168,7 +168,7 @@ def test_scene_reader_labels_every_attribute_and_a_match_needs_all_of_them():
 def test_calibration_command_prints_entropy_fidelity_and_lossless_tau_and_writes_the_fitted_trees(tmp_path, capsys):
     import json
 
-    from inference.evaluation import world_calibrate
+    from inference.measure import world_calibrate
     from models.eagle import EagleDraftModel, drafter_preset
     from models.texture.reader import READER_FILE, TextureSceneReader
 
@@ -185,7 +185,7 @@ def test_calibration_command_prints_entropy_fidelity_and_lossless_tau_and_writes
     printed = capsys.readouterr().out
     assert "mean_entropy" in printed and "prompt_fidelity" in printed and "| accept @1 |" in printed
     record = json.loads((out / "calibration.json").read_text())
-    assert record["command"][:3] == ["python", "-m", "inference.evaluation.world_calibrate"]
+    assert record["command"][:3] == ["python", "-m", "inference.world_calibrate"]
     assert 0.0 <= record["tokens"]["prompt_fidelity"] <= 1.0 and record["tokens"]["mean_entropy"] > 0
     trees = record["drafting"]["trees"]
     assert [t["name"] for t in trees] == ["static 2", "static 3", "dynamic top-2, depth 2, 4 nodes"]

@@ -10,7 +10,7 @@ near-duplicates. Parts: the caption grammar (`world`, one caption in 20 held out
 drawing (`scenes`), the network sizes (`model`), the target (`target`), the scene reader for prompt
 fidelity and FID-style features (`reader`), training
 (`python -m models.texture.train`) and the shipped VQ, target and reader with the model card
-(`assets/`). `python -m inference.evaluation.world_calibrate` measures a target's entropy, top-1 and
+(`assets/`). `python -m inference.world_calibrate` measures a target's entropy, top-1 and
 prompt fidelity at its default sampling, and with `--drafter` the lossless tau of its trees.
 
 Code outside this package uses only the names below.

@@ -1,9 +1,9 @@
 """How uncertain an embedded world's target is at its default sampling: the statistics the texture world is fixed by.
 
-    python -m inference.evaluation.world_calibrate --folder RUN                      # a trained texture target
-    python -m inference.evaluation.world_calibrate --checkpoint RUN/texture_target.partial.pt --folder RUN
-    python -m inference.evaluation.world_calibrate --world toy                        # the toy, for comparison
-    python -m inference.evaluation.world_calibrate --drafter runs/demo_texture/version_0/drafter --out outputs/calib
+    python -m inference.world_calibrate --folder RUN                      # a trained texture target
+    python -m inference.world_calibrate --checkpoint RUN/texture_target.partial.pt --folder RUN
+    python -m inference.world_calibrate --world toy                        # the toy, for comparison
+    python -m inference.world_calibrate --drafter runs/demo_texture/version_0/drafter --out outputs/calib
 
 Held-out captions are sampled once each with plain AR decoding (`generate_ar`) at the target's
 default sampling (CFG, temperature, top-k; override with --cfg-scale / --top-k). The distribution
@@ -16,7 +16,7 @@ mean >= 4 nats, >= 20 % of tokens above 5 nats and >= 50 % with top-1 < 0.05 (it
 The same samples are read back by the world's scene reader: prompt fidelity (every object and the
 background as the caption says) and which attributes fail.
 
-With --drafter, how hard the world is to draft for (`inference.evaluation.draft_calibrate`): static
+With --drafter, how hard the world is to draft for (`inference.measure.draft_calibrate`): static
 trees of --drafts nodes fitted with the lossless `exact` rule on --tune-prompts captions (seed
 --tune-seed, 11), then the lossless tau of each and of the dynamic top-k tree (--dynamic: children,
 depth, nodes) on --report-prompts other captions (seed --report-seed, 2026), with the acceptance at
@@ -43,7 +43,7 @@ from inference.decoding.autoregressive import generate_ar
 from inference.decoding.files import write_json
 from inference.decoding.generate import image_grid
 from inference.decoding.sampling import processed_distribution
-from inference.evaluation.draft_calibrate import drafting_report, report_table
+from inference.measure.draft_calibrate import drafting_report, report_table
 from inference.measure.provenance import provenance
 from models.target import ImageTarget, SamplingDefaults
 from models.texture import ASSETS as TEXTURE_ASSETS
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         image_grid(images.numpy(), columns=8).save(args.grid_out)
         print(f"samples in {args.grid_out}")
     record: dict[str, Any] = {
-        "command": ["python", "-m", "inference.evaluation.world_calibrate", *(sys.argv[1:] if argv is None else argv)],
+        "command": ["python", "-m", "inference.world_calibrate", *(sys.argv[1:] if argv is None else argv)],
         "provenance": provenance(), "world": args.world, "sampling": dataclasses.asdict(settings),
         "prompts": {"count": args.num_prompts, "seed": args.seed, "split": "heldout"}, "tokens": stats,
     }  # fmt: skip

@@ -1,7 +1,7 @@
 """How hard an embedded world is to draft for: lossless tau on fitted static trees and the dynamic tree, and how
 acceptance falls with depth.
 
-`python -m inference.evaluation.world_calibrate --drafter DIR` prints these next to the target's entropy. With the
+`python -m inference.world_calibrate --drafter DIR` prints these next to the target's entropy. With the
 lossless `exact` rule:
 
 1. the path acceptance of a large candidate tree is measured on the tune captions (`inference.tree_fit`'s
