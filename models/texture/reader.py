@@ -30,7 +30,7 @@ from models.texture.world import (
     TEXTURES,
     parse_texture_caption,
 )
-from models.toy import POSITIONS, SceneReader, object_labels
+from models.toy import SceneReader, object_labels
 
 READER_FILE = "texture_reader.safetensors"
 
@@ -60,19 +60,7 @@ class TextureSceneReader(SceneReader):
     def labels(self, captions: list[str]) -> dict[str, Tensor]:
         """present/colour/shape/size (B, P) with IGNORE where no object is; texture/scale/tone (B,)."""
         scenes = [parse_texture_caption(caption) for caption in captions]
-        objects = [
-            tuple(
-                {
-                    "position": POSITIONS.index(o.position),
-                    "colour": OBJECT_COLOURS.index(o.colour),
-                    "shape": OBJECT_SHAPES.index(o.shape),
-                    "size": OBJECT_SIZES.index(o.size),
-                }  # fmt: skip
-                for o in scene.objects
-            )
-            for scene in scenes
-        ]
-        labels = object_labels(objects, len(captions))
+        labels = object_labels([scene.objects for scene in scenes], OBJECT_COLOURS, OBJECT_SHAPES, OBJECT_SIZES)
         labels["texture"] = torch.tensor([TEXTURES.index(s.texture) for s in scenes], dtype=torch.long)
         labels["scale"] = torch.tensor([TEXTURE_SCALES.index(s.scale) for s in scenes], dtype=torch.long)
         labels["tone"] = torch.tensor([TEXTURE_COLOUR_NAMES.index(s.tone) for s in scenes], dtype=torch.long)

@@ -16,6 +16,7 @@ Shapes: B images of S x S RGB (36 x 36 in the toy world), P = 9 positions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
@@ -24,27 +25,39 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models.toy.world import BACKGROUNDS, COLOUR_NAMES, IMAGE_SIZE, POSITIONS, SHAPES, SIZES, parse_caption
+from models.toy.world import (
+    BACKGROUNDS,
+    COLOUR_NAMES,
+    IMAGE_SIZE,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    ShapeSpec,
+    parse_caption,
+)
 
 NUM_POSITIONS = len(POSITIONS)
 IGNORE = -100
 
 
-def object_labels(scenes: list[tuple[dict[str, int], ...]], batch: int) -> dict[str, Tensor]:
-    """Per-position object labels: `scenes[b]` lists scene b's objects as {"position": cell, "colour": i, ...}.
+def object_labels(scenes: Sequence[Sequence[ShapeSpec]], colours: Sequence[str], shapes: Sequence[str],
+                  sizes: Sequence[str]) -> dict[str, Tensor]:  # fmt: skip
+    """Per-position object labels of B scenes, each a list of objects at named positions.
 
-    Returns present (B, P) 0/1 and, for every other key of the objects, (B, P) indices with IGNORE (-100) at
-    positions without an object.
+    Returns present (B, P) 0/1 and colour/shape/size (B, P), the index of each object's attribute in
+    `colours`/`shapes`/`sizes`, IGNORE (-100) at positions without an object.
     """
-    names = {name for objects in scenes for item in objects for name in item if name != "position"}
-    labels = {name: torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long) for name in sorted(names)}
+    batch = len(scenes)
+    absent = torch.full((batch, NUM_POSITIONS), IGNORE, dtype=torch.long)
+    labels = {name: absent.clone() for name in ("colour", "shape", "size")}
     labels["present"] = torch.zeros(batch, NUM_POSITIONS, dtype=torch.long)
     for row, objects in enumerate(scenes):
-        for item in objects:
-            labels["present"][row, item["position"]] = 1
-            for name, value in item.items():
-                if name != "position":
-                    labels[name][row, item["position"]] = value
+        for spec in objects:
+            cell = POSITIONS.index(spec.position)
+            labels["present"][row, cell] = 1
+            labels["colour"][row, cell] = colours.index(spec.colour)
+            labels["shape"][row, cell] = shapes.index(spec.shape)
+            labels["size"][row, cell] = sizes.index(spec.size)
     return labels
 
 
@@ -54,21 +67,7 @@ def scene_labels(captions: list[str]) -> dict[str, Tensor]:
     Colour, shape and size are IGNORE (-100) at positions without a shape.
     """
     scenes = [parse_caption(caption) for caption in captions]
-    objects = [
-        tuple(
-            {
-                "position": POSITIONS.index(spec.position),
-                "colour": COLOUR_NAMES.index(spec.colour),
-                "shape": SHAPES.index(spec.shape),
-                "size": SIZES.index(spec.size),
-            }  # fmt: skip
-            for spec in scene.shapes
-        )
-        for scene in scenes
-    ]
-    labels = object_labels(objects, len(captions))
-    for name in ("colour", "shape", "size"):  # a batch without any object still gets its (all-ignored) labels
-        labels.setdefault(name, torch.full((len(captions), NUM_POSITIONS), IGNORE, dtype=torch.long))
+    labels = object_labels([scene.shapes for scene in scenes], COLOUR_NAMES, SHAPES, SIZES)
     labels["background"] = torch.tensor([BACKGROUNDS.index(s.background) for s in scenes], dtype=torch.long)
     labels["background_colour"] = torch.tensor([COLOUR_NAMES.index(s.background_colour) for s in scenes])
     return labels
