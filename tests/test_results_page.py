@@ -66,12 +66,6 @@ def test_the_results_page_is_what_its_sources_render():
     assert PAGE.read_text(encoding="utf-8") == page, "run python -m inference.results"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="six sources were made from uncommitted changes (decoding_table_static, signals, tune_signal_s11, "
-    "drafter_300, drafter_600, drafter_600_low_s1); `python -m inference.results --check` prints the command that "
-    "regenerates each. Once they are remade at a commit this passes, and strict=True fails it: remove this mark.",
-)
 def test_every_results_source_was_made_at_a_commit():
     assert uncommitted_sources(RESULTS) == []
 
