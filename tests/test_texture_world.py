@@ -19,7 +19,7 @@ from models.texture import (
     texture_caption,
     texture_captions,
 )
-from models.texture.model import TEXTURE_GPT_CONFIG
+from models.texture.model import TEXTURE_GPT_CONFIG, texture_network
 from models.texture.scenes import FREQUENCY_BANDS, render_texture_scene, texture_field
 from models.texture.target import TARGET_FILE
 from models.texture.train import PARTIAL_FILE, TargetRun, train_texture_target, train_texture_vq
@@ -105,6 +105,48 @@ def test_target_training_resumes_to_the_same_weights_and_loads_as_a_target(tmp_p
     assert again is not None
     for (name, a), (_, b) in zip(resumed.state_dict().items(), again.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_object_coverage_comes_with_the_same_pixels_and_marks_the_object_tokens():
+    from models.texture.scenes import render_texture_dataset_with_coverage, render_texture_scene_with_coverage
+    from models.texture.train import object_token_weights
+    from models.toy.vq import image_to_patches
+
+    scene = TextureScene((ShapeSpec("red", "square", "large", "center"),), "wood", "coarse", "grey")
+    pixels, coverage = render_texture_scene_with_coverage(scene, np.random.default_rng(3))
+    np.testing.assert_array_equal(pixels, render_texture_scene(scene, np.random.default_rng(3)))
+    assert coverage[24, 24] == 1.0 and coverage[0, 0] == 0.0 and coverage.dtype == np.float32
+    captions, images, covered = render_texture_dataset_with_coverage(4, seed=11)
+    plain_captions, plain_images = render_texture_dataset(4, seed=11)
+    assert captions == plain_captions
+    np.testing.assert_array_equal(images, plain_images)
+
+    weights = object_token_weights(torch.from_numpy(covered), patch=4, object_weight=5.0)  # (4, 144)
+    share = image_to_patches(torch.from_numpy(covered)[..., None], 4).mean(-1)  # (4, 144), the VQ's token order
+    torch.testing.assert_close(weights, torch.where(share >= 0.25, 5.0, 1.0))
+    assert 0 < (weights == 5.0).float().mean() < 0.5  # objects are some of the tokens, not most
+
+
+def test_weighted_target_loss_is_the_weighted_mean_of_the_token_cross_entropies():
+    import torch.nn.functional as F
+
+    from models.toy.train import target_loss
+
+    torch.manual_seed(0)
+    network = texture_network(32, TINY_GPT).eval()
+    captions = ["a small red circle at the top left on fine grey sand"] * 2
+    tokens = torch.randint(0, 32, (2, 144))
+    weights = torch.ones(2, 144)
+    weights[:, :20] = 4.0
+
+    def loss(w):
+        return target_loss(network, captions, tokens, 0.0, torch.Generator().manual_seed(0), w)
+
+    torch.testing.assert_close(loss(torch.ones(2, 144)), loss(None))
+    features, valid = network.caption_features(captions)
+    per_token = F.cross_entropy(network(features, valid, tokens).flatten(0, 1), tokens.flatten(), reduction="none")
+    torch.testing.assert_close(loss(weights), (weights.flatten() * per_token).sum() / weights.sum())
+    assert not torch.allclose(loss(weights), loss(None))
 
 
 def test_tiny_target_samples_images_and_the_calibration_reads_the_distributions_it_drew_from(tmp_path):

@@ -133,6 +133,14 @@ def _shading(shape: str, centre_y: float, centre_x: float, radius: float, light:
 
 def render_texture_scene(scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
     """Draw a scene; the generator picks what the caption leaves open. Returns (size, size, 3) uint8 RGB."""
+    return render_texture_scene_with_coverage(scene, rng, size)[0]
+
+
+def render_texture_scene_with_coverage(
+    scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE
+) -> tuple[np.ndarray, np.ndarray]:
+    """`render_texture_scene` (the same draws, the same pixels) and the share of each pixel the objects cover:
+    (size, size, 3) uint8 RGB and (size, size) float32 in [0, 1] (the largest object coverage at the pixel)."""
     low, high = FREQUENCY_BANDS[scene.scale]
     frequency = float(np.exp(rng.uniform(math.log(low), math.log(high)))) * IMAGE_SIZE / size
     angle = float(rng.uniform(0.0, math.pi))
@@ -155,13 +163,15 @@ def render_texture_scene(scene: TextureScene, rng: np.random.Generator, size: in
         offset = 0.25 * radius
         shadow = _coverage(item.shape, centre_y - light[0] * offset, centre_x - light[1] * offset, radius * 1.05, size)
         canvas *= (1.0 - 0.35 * shadow)[..., None]
+    covered = np.zeros((size, size), dtype=np.float32)
     for item, centre_y, centre_x, radius in placed:
         alpha = _coverage(item.shape, centre_y, centre_x, radius, size)[..., None]
+        covered = np.maximum(covered, alpha[..., 0])
         shade = _shading(item.shape, centre_y, centre_x, radius, light, size)[..., None]
         colour = np.asarray(COLOURS[item.colour], dtype=np.float64) * shade
         colour = colour + rng.normal(0.0, OBJECT_GRAIN_STD, size=(size, size, 1))
         canvas = (1.0 - alpha) * canvas + alpha * colour
-    return np.clip(np.rint(canvas), 0, 255).astype(np.uint8)
+    return np.clip(np.rint(canvas), 0, 255).astype(np.uint8), covered
 
 
 def sample_texture_scene(rng: np.random.Generator, split: str = "train") -> TextureScene:
@@ -199,10 +209,20 @@ def texture_captions(count: int, seed: int = 0, split: str = "train") -> list[st
 def render_texture_dataset(count: int, seed: int, split: str = "train",
                            size: int = IMAGE_SIZE) -> tuple[list[str], np.ndarray]:  # fmt: skip
     """Captions and pixels of `count` scenes fixed by `seed`: `count` captions and (count, size, size, 3) uint8."""
+    captions, images, _ = render_texture_dataset_with_coverage(count, seed, split, size)
+    return captions, images
+
+
+def render_texture_dataset_with_coverage(
+    count: int, seed: int, split: str = "train", size: int = IMAGE_SIZE
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """`render_texture_dataset` (the same captions and pixels) and each pixel's object coverage:
+    `count` captions, (count, size, size, 3) uint8 and (count, size, size) float32 in [0, 1]."""
     rng = np.random.default_rng(seed)
     captions, images = [], np.empty((count, size, size, 3), dtype=np.uint8)
+    coverage = np.empty((count, size, size), dtype=np.float32)
     for i in range(count):
         scene = sample_texture_scene(rng, split)
         captions.append(texture_caption(scene))
-        images[i] = render_texture_scene(scene, rng, size)
-    return captions, images
+        images[i], coverage[i] = render_texture_scene_with_coverage(scene, rng, size)
+    return captions, images, coverage

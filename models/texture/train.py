@@ -16,7 +16,9 @@ Stages (each writes one safetensors file into --out):
   and at --max-minutes, and the same command resumes it; the schedule (warm-up, cosine to 0.1x) is
   fixed by --steps, so a resumed run sees the same batches and learning rates as an uninterrupted
   one. The final file is written only when the run reaches --steps. `--init-from FILE --seed S`
-  starts a second round (a new schedule, new batches) from finished weights;
+  starts a second round (a new schedule, new batches) from finished weights. `--object-weight W`
+  weighs the cross-entropy of each token whose patch an object covers by a quarter or more W times
+  (the held-out loss stays the plain mean), so the few object tokens are not drowned by the texture's;
 - `reader`: the scene reader (`models.texture.reader`: prompt fidelity and FID-style features),
   --reader-steps (1200) of 64 freshly drawn scenes, half of each batch through the VQ ->
   `texture_reader.safetensors`.
@@ -40,7 +42,7 @@ import torch
 from models.llamagen import LlamaGenConfig
 from models.texture.model import TEXTURE_GPT_CONFIG, texture_network
 from models.texture.reader import READER_FILE, TextureSceneReader
-from models.texture.scenes import render_texture_dataset
+from models.texture.scenes import render_texture_dataset, render_texture_dataset_with_coverage
 from models.texture.target import ASSETS, TARGET_FILE, VQ_FILE
 from models.toy import (
     PatchVQ,
@@ -54,6 +56,7 @@ from models.toy import (
 
 PARTIAL_FILE = "texture_target.partial.pt"
 CAPTION_DROPOUT = 0.1
+OBJECT_PATCH_SHARE = 0.25  # an object token: its patch is at least a quarter covered by an object
 
 
 def _say(text: str) -> None:
@@ -77,6 +80,23 @@ def _tokens(vq: PatchVQ, count: int, seed: int, split: str = "train") -> tuple[l
     return captions, vq.encode(torch.from_numpy(images))  # (count, G)
 
 
+def object_token_weights(coverage: torch.Tensor, patch: int, object_weight: float) -> torch.Tensor:
+    """Per-token loss weights: `object_weight` for a patch an object covers at least OBJECT_PATCH_SHARE of,
+    1 elsewhere. coverage (B, H, W) in [0, 1] -> (B, G) with G = (H / patch) * (W / patch), raster order."""
+    share = torch.nn.functional.avg_pool2d(coverage[:, None], patch).flatten(1)  # (B, G)
+    return torch.where(share >= OBJECT_PATCH_SHARE, object_weight, 1.0)
+
+
+def _weighted_tokens(vq: PatchVQ, count: int, seed: int,
+                     object_weight: float) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Training scenes as tokens (count, G), with per-token loss weights (count, G) unless object_weight is 1."""
+    if object_weight == 1.0:
+        return (*_tokens(vq, count, seed), None)
+    captions, images, coverage = render_texture_dataset_with_coverage(count, seed=seed, size=vq.image_size)
+    weights = object_token_weights(torch.from_numpy(coverage), vq.patch, object_weight)
+    return captions, vq.encode(torch.from_numpy(images)), weights
+
+
 @dataclasses.dataclass
 class TargetRun:
     """Settings of one target training run (all of them fix the schedule and the batches)."""
@@ -89,6 +109,7 @@ class TargetRun:
     gpt_config: LlamaGenConfig = dataclasses.field(default_factory=lambda: TEXTURE_GPT_CONFIG)
     eval_every: int = 250
     checkpoint_every: int = 50
+    object_weight: float = 1.0  # loss weight of the tokens an object covers (held-out loss stays unweighted)
 
 
 def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir: Path | None = None,
@@ -137,8 +158,8 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     while step < run.steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, run.steps, run.lr, run.warmup)
-        captions, tokens = _tokens(vq, run.batch_size, seed=run.seed * 1_000_003 + step)
-        loss = target_loss(model, captions, tokens, CAPTION_DROPOUT, generator)
+        captions, tokens, weights = _weighted_tokens(vq, run.batch_size, run.seed * 1_000_003 + step, run.object_weight)
+        loss = target_loss(model, captions, tokens, CAPTION_DROPOUT, generator, weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -207,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-minutes", type=float, help="stop (checkpointed, resumable) after this long")
     parser.add_argument("--reader-steps", type=int, default=1200, help="--stage reader: training steps of 64 scenes")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--object-weight", type=float, default=1.0, help="--stage target: loss weight of object tokens (1: plain mean)"
+    )
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -222,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             TEXTURE_GPT_CONFIG, dim=args.dim, caption_dim=args.dim, num_layers=args.layers, aux_layer_ids=None
         )
         run = TargetRun(args.steps, args.batch_size, args.lr, args.warmup, seed=args.seed, gpt_config=gpt,
-                        checkpoint_every=args.checkpoint_every)  # fmt: skip
+                        checkpoint_every=args.checkpoint_every, object_weight=args.object_weight)  # fmt: skip
         train_texture_target(args.out, vq, run, args.checkpoint_dir, args.max_minutes, args.init_from)
     if args.stage in ("reader", "all"):
         train_texture_reader(args.out, vq, args.reader_steps, args.seed)

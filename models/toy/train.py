@@ -81,14 +81,22 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def target_loss(model: ToyTextToImage, captions: list[str], tokens: torch.Tensor, dropout: float,
-                generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """Cross-entropy of the image tokens, with caption dropout to the learned unconditional caption."""
+                generator: torch.Generator, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Cross-entropy of the image tokens, with caption dropout to the learned unconditional caption.
+
+    `weights` (B, G), when given, weighs each token's cross-entropy: the loss is sum(w * ce) / sum(w), so
+    uniform weights give the plain mean.
+    """
     features, valid = model.caption_features(captions)
     drop = torch.rand(len(captions), generator=generator) < dropout  # (B,)
     uncond = model.gpt.unconditional_captions(len(captions))
     features = torch.where(drop[:, None, None], uncond, features)
     logits = model(features, valid, tokens)  # (B, G, V)
-    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    per_token = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none")  # (B * G,)
+    weights = weights.flatten().to(per_token.dtype)
+    return (weights * per_token).sum() / weights.sum()
 
 
 def warm_start(model: ToyTextToImage, vq: PatchVQ, source: Path) -> None:
