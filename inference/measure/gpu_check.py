@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from inference.decoding.files import write_atomic
+
 RECORDS_ENV = "GPU_CHECK_RECORDS"
 """The JSON-lines file the plugin half of this module appends test reports to (set for the pytest child only)."""
 PLUGIN = "inference.measure.gpu_check"
@@ -144,14 +146,6 @@ def run_gpu_tests(
         text = output.decode(errors="replace") if isinstance(output, bytes) else output
         return None, True, text[-6000:]
     return done.returncode, False, (done.stdout + done.stderr)[-6000:]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
 
 
 def build_parser() -> argparse.ArgumentParser:

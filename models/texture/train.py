@@ -87,12 +87,13 @@ def object_token_weights(coverage: torch.Tensor, patch: int, object_weight: floa
     return torch.where(share >= OBJECT_PATCH_SHARE, object_weight, 1.0)
 
 
-def _weighted_tokens(vq: PatchVQ, count: int, seed: int,
-                     object_weight: float) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Training scenes as tokens (count, G), with per-token loss weights (count, G) unless object_weight is 1."""
-    if object_weight == 1.0:
-        return (*_tokens(vq, count, seed), None)
+def _training_batch(vq: PatchVQ, count: int, seed: int,
+                    object_weight: float) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Training scenes as tokens (count, G), with per-token loss weights (count, G) unless object_weight is 1
+    (the renderer computes the coverage either way, so the batch is the same draw with or without weights)."""
     captions, images, coverage = render_texture_dataset_with_coverage(count, seed=seed, size=vq.image_size)
+    if object_weight == 1.0:
+        return captions, vq.encode(torch.from_numpy(images)), None
     weights = object_token_weights(torch.from_numpy(coverage), vq.patch, object_weight)
     return captions, vq.encode(torch.from_numpy(images)), weights
 
@@ -158,7 +159,7 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     while step < run.steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, run.steps, run.lr, run.warmup)
-        captions, tokens, weights = _weighted_tokens(vq, run.batch_size, run.seed * 1_000_003 + step, run.object_weight)
+        captions, tokens, weights = _training_batch(vq, run.batch_size, run.seed * 1_000_003 + step, run.object_weight)
         loss = target_loss(model, captions, tokens, CAPTION_DROPOUT, generator, weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
