@@ -20,11 +20,23 @@ from models.texture import (
     texture_captions,
 )
 from models.texture.model import TEXTURE_GPT_CONFIG, texture_network
-from models.texture.scenes import FREQUENCY_BANDS, render_texture_scene, texture_field
+from models.texture.reader import READER_FILE, TextureSceneReader
+from models.texture.scenes import (
+    FREQUENCY_BANDS,
+    render_texture_dataset_with_coverage,
+    render_texture_scene,
+    texture_field,
+)
 from models.texture.target import TARGET_FILE
-from models.texture.train import PARTIAL_FILE, TargetRun, train_texture_target, train_texture_vq
-from models.texture.world import MAX_CAPTION_WORDS, WORDS, TextureScene
-from models.toy import COLOURS, ShapeSpec, is_held_out
+from models.texture.train import (
+    PARTIAL_FILE,
+    TargetRun,
+    check_texture_reader,
+    train_texture_target,
+    train_texture_vq,
+)
+from models.texture.world import MAX_CAPTION_WORDS, TEXTURE_COLOURS, TEXTURES, WORDS, TextureScene
+from models.toy import COLOURS, PatchVQ, ShapeSpec, is_held_out
 
 TINY_GPT = dataclasses.replace(
     TEXTURE_GPT_CONFIG, dim=16, caption_dim=16, num_layers=4, multiple_of=16, aux_layer_ids=None
@@ -79,6 +91,39 @@ def test_textures_are_smooth_at_coarse_scale_and_vary_from_image_to_image():
     assert np.abs(first[32:].astype(float) - second[32:].astype(float)).mean() > 5
 
 
+def test_fine_detail_is_shared_across_neighbouring_pixels_not_drawn_per_pixel():
+    """A patch's spread over near-duplicate codes must depend on its context: the detail left after removing the
+    smooth texture (pixel minus its 5 x 5 mean) is coherent over neighbouring pixels, where independent per-pixel
+    grain would leave neighbours uncorrelated (or anti-correlated, after the mean is removed)."""
+    for texture in TEXTURES:
+        scene = TextureScene((ShapeSpec("red", "circle", "small", "top left"),), texture, "coarse", "grey")
+        grey = render_texture_scene(scene, np.random.default_rng(3)).astype(float).mean(-1)[16:, 16:]  # no object
+        smooth = np.lib.stride_tricks.sliding_window_view(np.pad(grey, 2, mode="edge"), (5, 5)).mean((-1, -2))
+        detail = grey - smooth
+        neighbour = np.corrcoef(detail[:, :-1].ravel(), detail[:, 1:].ravel())[0, 1]
+        # granite's crystals are single pixels drawn independently (its speckle), so less of its detail is shared;
+        # independent per-pixel grain alone scores about -0.03 here
+        assert neighbour > (0.15 if texture == "granite" else 0.3), (texture, neighbour)
+        assert detail.std() > 4.0, (texture, detail.std())  # and it is strong enough to move a patch's code
+
+
+def test_plain_background_draws_the_same_objects_over_the_flat_tone():
+    """The first training stage's images: the same draws, so the same objects in the same places, and the
+    captioned tone where no object or shadow falls."""
+    textured = render_texture_dataset_with_coverage(6, seed=4, split="train")
+    plain = render_texture_dataset_with_coverage(6, seed=4, split="train", background="plain")
+    assert textured[0] == plain[0]
+    np.testing.assert_array_equal(textured[2], plain[2])  # object coverage
+    for caption, image, covered in zip(plain[0], plain[1], plain[2], strict=True):
+        tone = TEXTURE_COLOURS[parse_texture_caption(caption).tone]
+        background = image[covered == 0].reshape(-1, 3)
+        colours, counts = np.unique(background, axis=0, return_counts=True)
+        assert tuple(colours[counts.argmax()]) == tone, caption
+        assert counts.max() > 0.5 * len(background)
+    with pytest.raises(ValueError, match="unknown background 'grass'; use one of texture, plain"):
+        render_texture_dataset(1, seed=0, background="grass")
+
+
 def _tiny_world(folder, steps: int, max_minutes: float | None = None):
     folder.mkdir(parents=True, exist_ok=True)
     vq = train_texture_vq(folder, seed=0, num_codes=32, num_images=20, iterations=3)
@@ -105,6 +150,45 @@ def test_target_training_resumes_to_the_same_weights_and_loads_as_a_target(tmp_p
     assert again is not None
     for (name, a), (_, b) in zip(resumed.state_dict().items(), again.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_round_can_start_from_a_target_of_a_smaller_codebook(tmp_path):
+    """`--init-from FOLDER`: the body is copied, and each new code's rows come from the old code nearest to it."""
+    old_vq, old = _tiny_world(tmp_path / "small", steps=2)
+    assert old is not None
+    noise = 1e-4 * torch.randn(64, old_vq.codebook.shape[1], generator=torch.Generator().manual_seed(0))
+    vq = PatchVQ(num_codes=64, patch=4, image_size=IMAGE_SIZE)
+    vq.codebook.copy_(old_vq.codebook.repeat_interleave(2, 0) + noise)  # new code j sits on old code j // 2
+    run = TargetRun(1, batch_size=2, lr=0.0, warmup=1, seed=5, gpt_config=TINY_GPT)
+    new = train_texture_target(tmp_path / "large", vq, run, init_from=tmp_path / "small")
+    assert new is not None and new.gpt.config.vocab_size == 64
+    old_state, new_state = old.state_dict(), new.state_dict()
+    for name, value in old_state.items():
+        by_code = new_state[name].shape[0] == 64 and value.shape[0] == 32  # token embedding, output head
+        expected = value[torch.arange(64) // 2] if by_code else value
+        torch.testing.assert_close(new_state[name], expected, msg=name)
+
+
+def test_reader_check_scores_the_folders_reader_on_held_out_ground_truth(tmp_path, capsys, monkeypatch):
+    vq, _ = _tiny_world(tmp_path, steps=1)
+    with pytest.raises(SystemExit, match="texture_reader.safetensors is missing; train it with --stage reader"):
+        check_texture_reader(tmp_path, vq, seed=0, count=8)
+    TextureSceneReader().save(tmp_path / READER_FILE)
+    seen = []
+
+    def share_of_circles(captions) -> float:
+        return sum(" circle" in c for c in captions) / len(captions)
+
+    def stand_in(reader, pixels, captions):  # a score that says which scenes were read
+        seen.append(tuple(pixels.shape))
+        return share_of_circles(captions)
+
+    monkeypatch.setattr(TextureSceneReader, "fidelity", stand_in)
+    clean, through_vq = check_texture_reader(tmp_path, vq, seed=0, background="plain", count=8)
+    captions, _ = render_texture_dataset(8, seed=99, split="heldout", background="plain")  # seed + 99, held out
+    assert clean == through_vq == share_of_circles(captions)
+    assert seen[:2] == [(8, IMAGE_SIZE, IMAGE_SIZE, 3)] * 2  # clean, then through the VQ
+    assert "(plain background)" in capsys.readouterr().out
 
 
 def test_object_coverage_comes_with_the_same_pixels_and_marks_the_object_tokens():

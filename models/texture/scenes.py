@@ -6,8 +6,10 @@ text-to-image model:
 
 - the texture's exact frequency (within its scale's band), orientation, contrast and noise phase;
   the texture is smooth value noise (fractal sums of octaves) shaped into clouds, marble veins, wood
-  rings, sand ripples or granite speckle, plus a strong grain (grey and per channel), so a patch's code is partly
-  predictable from its neighbours (the low octaves) and partly not (the high octaves and grain);
+  rings, sand ripples or granite speckle, plus a fine detail: value noise on a lattice of 2.5-4 px, so
+  every patch holds a few fresh random values (what the caption and the smooth field leave open) and
+  shares the rest with its neighbours across its borders (what the tokens before it reveal), and a
+  faint per-pixel grain;
 - the light direction, which shades every object (spheres for circles, tilted planes otherwise) and
   casts a soft shadow on the texture;
 - each object's offset of up to 2 px from its cell centre, and edges anti-aliased over about a pixel
@@ -43,15 +45,24 @@ OBJECT_COUNT_PROBABILITIES = (0.45, 0.35, 0.2)  # for 1, 2 and 3 objects
 FREQUENCY_BANDS = {"coarse": (1 / 26, 1 / 14), "fine": (1 / 11, 1 / 6)}
 CONTRAST_RANGE = (0.5, 1.0)  # drawn per image: how far the texture swings around its tone
 TEXTURE_SWING = 0.45  # relative brightness swing of a full-contrast texture
+# Fine detail, grey levels (standard deviation) and lattice period in px: value noise whose lattice points a
+# patch shares with its neighbours, so a patch's detail is random where the patch holds new lattice points and
+# fixed by the codes above and to its left where it shares them. It spreads a texture patch over many
+# near-duplicate codes, as the grain of a real texture does, but the spread depends on the context.
+DETAIL_STD = {"clouds": 11.0, "marble": 11.0, "wood": 11.0, "sand": 15.0, "granite": 13.0}
+DETAIL_PERIOD = (2.5, 4.0)  # px between lattice points, drawn per image
 # Per-pixel grain, grey levels: a grey part shared by R, G, B and an independent part per channel. It is what a
-# patch holds that no neighbour predicts; at these levels it moves a texture patch over many of the codes of its
-# texture (MODEL_CARD.md: the grain alone gives 2.9-4.0 nats per texture patch), as real textures do.
-GRAIN_STD = {"clouds": 9.0, "marble": 10.0, "wood": 10.0, "sand": 14.0, "granite": 12.0}
-CHROMA_GRAIN_STD = 5.0
+# patch holds that no neighbour predicts; kept faint, so most of a patch's spread depends on its context.
+GRAIN_STD = {"clouds": 3.0, "marble": 3.0, "wood": 3.0, "sand": 4.0, "granite": 4.0}
+CHROMA_GRAIN_STD = 2.0
 OBJECT_GRAIN_STD = 2.0
 SUPERSAMPLE = 4
 JITTER = 2.0  # px an object may sit off its cell centre
 SPLITS = ("train", "heldout", "any")
+# "texture": the world's images; "plain": the same scenes (the same draws) over the flat tone, no texture, detail or
+# grain. The plain images are a first training stage's data: a target learns which words place and colour which
+# object where the background does not dominate the loss, then a second stage adds the textures.
+BACKGROUNDS = ("texture", "plain")
 
 
 def value_noise(
@@ -131,25 +142,34 @@ def _shading(shape: str, centre_y: float, centre_x: float, radius: float, light:
     return 0.9 + 0.3 * (dy * light[0] + dx * light[1])
 
 
-def render_texture_scene(scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
-    """Draw a scene; the generator picks what the caption leaves open. Returns (size, size, 3) uint8 RGB."""
-    return render_texture_scene_with_coverage(scene, rng, size)[0]
+def render_texture_scene(scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE,
+                         background: str = "texture") -> np.ndarray:  # fmt: skip
+    """Draw a scene; the generator picks what the caption leaves open. Returns (size, size, 3) uint8 RGB.
+    `background` "plain" draws the same scene over its flat tone (BACKGROUNDS)."""
+    return render_texture_scene_with_coverage(scene, rng, size, background)[0]
 
 
 def render_texture_scene_with_coverage(
-    scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE
+    scene: TextureScene, rng: np.random.Generator, size: int = IMAGE_SIZE, background: str = "texture"
 ) -> tuple[np.ndarray, np.ndarray]:
     """`render_texture_scene` (the same draws, the same pixels) and the share of each pixel the objects cover:
     (size, size, 3) uint8 RGB and (size, size) float32 in [0, 1] (the largest object coverage at the pixel)."""
+    if background not in BACKGROUNDS:
+        raise ValueError(f"unknown background {background!r}; use one of {', '.join(BACKGROUNDS)}")
     low, high = FREQUENCY_BANDS[scene.scale]
     frequency = float(np.exp(rng.uniform(math.log(low), math.log(high)))) * IMAGE_SIZE / size
     angle = float(rng.uniform(0.0, math.pi))
     contrast = float(rng.uniform(*CONTRAST_RANGE))
     field = texture_field(scene.texture, frequency, angle, rng, size)
     tone = np.asarray(TEXTURE_COLOURS[scene.tone], dtype=np.float64)
+    period = float(rng.uniform(*DETAIL_PERIOD)) * size / IMAGE_SIZE
+    detail = value_noise(rng, size, 1.0 / period, float(rng.uniform(0.0, math.pi)))
+    detail = DETAIL_STD[scene.texture] * detail / max(float(detail.std()), 1e-6)  # (size, size)
     grain = rng.normal(0.0, GRAIN_STD[scene.texture], size=(size, size, 1))
     grain = grain + rng.normal(0.0, CHROMA_GRAIN_STD, size=(size, size, 3))
-    canvas = tone * (1.0 + TEXTURE_SWING * contrast * np.tanh(field))[..., None] + grain  # (size, size, 3)
+    canvas = tone * (1.0 + TEXTURE_SWING * contrast * np.tanh(field))[..., None] + detail[..., None] + grain
+    if background == "plain":  # the draws above are made either way, so both backgrounds show the same objects
+        canvas = np.broadcast_to(tone, canvas.shape).copy()
 
     light_angle = float(rng.uniform(0.0, 2 * math.pi))
     light = np.array([math.sin(light_angle) * 0.6, math.cos(light_angle) * 0.6, 0.8])  # unit (y, x, z)
@@ -206,15 +226,15 @@ def texture_captions(count: int, seed: int = 0, split: str = "train") -> list[st
     return [texture_caption(sample_texture_scene(rng, split)) for _ in range(count)]
 
 
-def render_texture_dataset(count: int, seed: int, split: str = "train",
-                           size: int = IMAGE_SIZE) -> tuple[list[str], np.ndarray]:  # fmt: skip
+def render_texture_dataset(count: int, seed: int, split: str = "train", size: int = IMAGE_SIZE,
+                           background: str = "texture") -> tuple[list[str], np.ndarray]:  # fmt: skip
     """Captions and pixels of `count` scenes fixed by `seed`: `count` captions and (count, size, size, 3) uint8."""
-    captions, images, _ = render_texture_dataset_with_coverage(count, seed, split, size)
+    captions, images, _ = render_texture_dataset_with_coverage(count, seed, split, size, background)
     return captions, images
 
 
 def render_texture_dataset_with_coverage(
-    count: int, seed: int, split: str = "train", size: int = IMAGE_SIZE
+    count: int, seed: int, split: str = "train", size: int = IMAGE_SIZE, background: str = "texture"
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """`render_texture_dataset` (the same captions and pixels) and each pixel's object coverage:
     `count` captions, (count, size, size, 3) uint8 and (count, size, size) float32 in [0, 1]."""
@@ -224,5 +244,5 @@ def render_texture_dataset_with_coverage(
     for i in range(count):
         scene = sample_texture_scene(rng, split)
         captions.append(texture_caption(scene))
-        images[i], coverage[i] = render_texture_scene_with_coverage(scene, rng, size)
+        images[i], coverage[i] = render_texture_scene_with_coverage(scene, rng, size, background)
     return captions, images, coverage

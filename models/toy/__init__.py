@@ -18,7 +18,14 @@ from models.toy.metrics import SceneFeatures, SceneReader, frechet_distance, obj
 from models.toy.model import CaptionEncoderConfig, ToyTextToImage
 from models.toy.scenes import cell_centre, render_dataset, render_scene, shape_mask, toy_captions
 from models.toy.target import ASSETS, ToyTarget
-from models.toy.train import atomic_save, fit_scene_reader, learning_rate, target_loss
+from models.toy.train import (
+    atomic_save,
+    copy_by_nearest_code,
+    fit_scene_reader,
+    learning_rate,
+    reader_ceiling,
+    target_loss,
+)
 from models.toy.vq import PatchVQ, reconstruction_error
 from models.toy.world import (
     COLOURS,
@@ -46,6 +53,7 @@ __all__ = [
     "PatchVQ",
     "ToyTextToImage",
     "atomic_save",
+    "copy_by_nearest_code",
     "cell_centre",
     "fit_scene_reader",
     "is_held_out",
@@ -54,6 +62,7 @@ __all__ = [
     "object_labels",
     "reconstruction_error",
     "shape_mask",
+    "reader_ceiling",
     "target_loss",
     "SceneFeatures",
     "SceneReader",

@@ -110,12 +110,19 @@ def warm_start(model: ToyTextToImage, vq: PatchVQ, source: Path) -> None:
     from models.toy.target import ToyTarget
 
     old = ToyTarget.from_assets(source)  # names a missing file; checks that its VQ matches its GPT
-    old_model, old_vq = old.network, old.vq
+    copy_by_nearest_code(model, vq, old.network, old.vq, source)
+
+
+def copy_by_nearest_code(model: ToyTextToImage, vq: PatchVQ, old_model: ToyTextToImage, old_vq: PatchVQ,
+                         source: Path) -> None:  # fmt: skip
+    """Copy `old_model` (trained on `old_vq`) into `model` (for `vq`) in place: weights of the same shape as
+    they are, rows indexed by code from the old code nearest in pixel space to each new code. `source`
+    names the old weights in errors."""
     nearest = nearest_code(vq.codebook, old_vq.codebook)  # (K_new,) ids of the old codebook
     state = model.state_dict()
     for name, value in old_model.state_dict().items():
         if name not in state:
-            raise ValueError(f"--init-from {source}: weight {name!r} is not in the toy target; not a toy target file")
+            raise ValueError(f"--init-from {source}: weight {name!r} is not in the target; not a target of this world")
         if value.shape == state[name].shape:
             state[name] = value
         elif value.shape[0] == old_vq.num_codes and value.shape[1:] == state[name].shape[1:]:
@@ -212,9 +219,17 @@ def fit_scene_reader(
         optimizer.step()
         progress.set_postfix(loss=f"{loss.item():.4f}")
     reader.eval()
-    captions, images = render(1000, seed + 99, "heldout")
+    return reader_ceiling(reader, render, vq, seed + 99)
+
+
+def reader_ceiling(reader: SceneReader, render: Callable[[int, int, str], tuple[list[str], np.ndarray]],
+                   vq: PatchVQ, seed: int, count: int = 1000) -> tuple[float, float]:  # fmt: skip
+    """Prompt fidelity of `reader` on `count` held-out ground-truth scenes drawn with `seed`, clean and through
+    the VQ: what a perfect target would score (the second is the ceiling of generated images)."""
+    captions, images = render(count, seed, "heldout")
     pixels = torch.from_numpy(images)
-    return reader.fidelity(pixels, captions), reader.fidelity(vq.decode(vq.encode(pixels)), captions)
+    with torch.no_grad():
+        return reader.fidelity(pixels, captions), reader.fidelity(vq.decode(vq.encode(pixels)), captions)
 
 
 def train_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 128, resume: bool = False) -> None:
