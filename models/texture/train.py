@@ -1,9 +1,12 @@
 """Train the texture world's models: the patch VQ, the text-to-image target and the scene reader.
 
-    python -m models.texture.train --stage vq --out models/texture/assets       # 8192 codes, about 9 min
-    python -m models.texture.train --stage target --out models/texture/assets \
-        --checkpoint-dir /work/runs/texture --max-minutes 60                    # resumable; rerun to go on
-    python -m models.texture.train --stage reader --out models/texture/assets   # needs the VQ
+    python -m models.texture.train --stage vq --background plain --num-codes 1024 --out PLAIN
+    python -m models.texture.train --stage target --background plain --out PLAIN   # stage 1: plain scenes
+    python -m models.texture.train --stage vq --out FINAL                          # 8192 codes, about 8 min
+    python -m models.texture.train --stage target --out FINAL --init-from PLAIN    # stage 2: textures
+    python -m models.texture.train --stage reader --out FINAL                      # needs the VQ
+
+(the shipped weights' exact commands, times and rounds are in assets/MODEL_CARD.md)
 
 Stages (each writes one safetensors file into --out):
 
