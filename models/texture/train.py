@@ -2,7 +2,7 @@
 
     python -m models.texture.train --stage vq --background plain --num-codes 1024 --out PLAIN
     python -m models.texture.train --stage target --background plain --out PLAIN   # stage 1: plain scenes
-    python -m models.texture.train --stage vq --out FINAL                          # 8192 codes, about 8 min
+    python -m models.texture.train --stage vq --out FINAL                          # 8192 codes, under 10 min
     python -m models.texture.train --stage target --out FINAL --init-from PLAIN    # stage 2: textures
     python -m models.texture.train --stage reader --out FINAL                      # needs the VQ
 
@@ -43,15 +43,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from models.llamagen import LlamaGenConfig
 from models.texture.model import TEXTURE_GPT_CONFIG, texture_network
 from models.texture.reader import READER_FILE, TextureSceneReader
 from models.texture.scenes import BACKGROUNDS, render_texture_dataset, render_texture_dataset_with_coverage
-from models.texture.target import ASSETS, TARGET_FILE, VQ_FILE
+from models.texture.target import ASSETS, TARGET_FILE, VQ_FILE, TextureTarget
 from models.toy import (
     PatchVQ,
     ToyTextToImage,
@@ -106,10 +108,10 @@ def _training_batch(vq: PatchVQ, count: int, seed: int, object_weight: float,
     captions, images, coverage = render_texture_dataset_with_coverage(
         count, seed=seed, size=vq.image_size, background=background
     )
+    tokens = vq.encode(torch.from_numpy(images))  # (count, G)
     if object_weight == 1.0:
-        return captions, vq.encode(torch.from_numpy(images)), None
-    weights = object_token_weights(torch.from_numpy(coverage), vq.patch, object_weight)
-    return captions, vq.encode(torch.from_numpy(images)), weights
+        return captions, tokens, None
+    return captions, tokens, object_token_weights(torch.from_numpy(coverage), vq.patch, object_weight)
 
 
 @dataclasses.dataclass
@@ -146,8 +148,6 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     step, elapsed, history = 0, 0.0, []
     if init_from is not None and not partial.exists():
         if init_from.is_dir():  # a target of another codebook: rows by nearest code
-            from models.texture.target import TextureTarget
-
             old = TextureTarget.from_assets(init_from)
             copy_by_nearest_code(model, vq, old.network, old.vq, init_from)
         else:
@@ -217,14 +217,18 @@ def train_texture_target(out: Path, vq: PatchVQ, run: TargetRun, checkpoint_dir:
     return model
 
 
+def _reader_scenes(background: str = "texture") -> Callable[[int, int, str], tuple[list[str], np.ndarray]]:
+    """The reader's scene source: `(count, seed, split)` -> captions and (count, S, S, 3) uint8 pixels."""
+    return lambda count, draw_seed, split: render_texture_dataset(count, draw_seed, split, background=background)
+
+
 def train_texture_reader(out: Path, vq: PatchVQ, steps: int, seed: int, batch_size: int = 64) -> TextureSceneReader:
     """Train the scene reader, print its fidelity on held-out ground truth (clean and through the VQ), save it."""
     torch.manual_seed(seed)
     reader = TextureSceneReader()
     began = time.perf_counter()
     clean, through_vq = fit_scene_reader(
-        reader, lambda count, draw_seed, split: render_texture_dataset(count, seed=draw_seed, split=split),
-        vq, steps, seed, batch_size, description="texture scene reader",
+        reader, _reader_scenes(), vq, steps, seed, batch_size, description="texture scene reader",
     )  # fmt: skip
     minutes = (time.perf_counter() - began) / 60
     _say(f"reader: {steps} steps of {batch_size} in {minutes:.1f} min; fidelity on 1000 held-out ground-truth "
@@ -239,10 +243,7 @@ def check_texture_reader(folder: Path, vq: PatchVQ, seed: int, background: str =
     if not (folder / READER_FILE).exists():
         sys.exit(f"{folder / READER_FILE} is missing; train it with --stage reader --out {folder}")
     reader = TextureSceneReader.load(folder / READER_FILE)
-    clean, through_vq = reader_ceiling(
-        reader, lambda count, draw_seed, split: render_texture_dataset(count, draw_seed, split, background=background),
-        vq, seed + 99, count,
-    )  # fmt: skip
+    clean, through_vq = reader_ceiling(reader, _reader_scenes(background), vq, seed + 99, count)
     _say(f"reader: fidelity on {count} held-out ground-truth scenes ({background} background) {clean:.4f} clean, "
          f"{through_vq:.4f} through the {vq.num_codes}-code VQ")  # fmt: skip
     return clean, through_vq
